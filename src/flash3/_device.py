@@ -28,5 +28,6 @@ def why_not_hopper() -> str | None:
   if hopper_device_kind() is not None:
     return None
   device = jax.devices()[0]
-  kind = getattr(device, "device_kind", device.platform)
-  return f"the default device is {kind} ({device.platform}), not a Hopper GPU (sm_90)"
+  if device.platform != "gpu":
+    return f"no Hopper GPU (the default device is a {device.platform})"
+  return f"no Hopper GPU (the default device is a {device.device_kind}, not sm_90)"

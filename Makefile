@@ -1,0 +1,13 @@
+# The two commands of the README. Each does all set-up on a fresh machine.
+.PHONY: demo test gpu-test
+
+demo:
+	bash scripts/demo.sh
+
+test:
+	FLASH3_EXTRAS=test,bench,examples bash scripts/env.sh
+	.venv/bin/python -m pytest -q -p no:cacheprovider tests
+
+# On an H200 (the device machine): GPU tests with the image's python3.
+gpu-test:
+	PYTHONPATH=src python3 -m pytest -q -m gpu tests

@@ -1,0 +1,98 @@
+"""Choosing between the Mosaic GPU kernels and the XLA reference.
+
+implementation=None takes the kernels when they support the call and the
+device is a Hopper GPU; otherwise the XLA path, saying why once per reason.
+implementation="mosaic" raises NotImplementedError with that reason instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from flash3._device import why_not_hopper
+from flash3._validate import Problem
+
+_interpret_params = None   # set by interpret_kernels()
+_warned: set[str] = set()
+
+
+@contextlib.contextmanager
+def interpret_kernels(detect_races: bool = False):
+  """Run flash3's Mosaic GPU kernels in jax's GPU interpret mode, on the CPU.
+
+  For testing the kernel logic on machines without a GPU (slow: use small
+  shapes). Inside this context implementation="mosaic" works on any device.
+
+  Args:
+    detect_races: ask the interpreter to report shared-memory races; read
+      them with ``flash3.kernels.common.races_found()`` after each call.
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  global _interpret_params
+  previous = _interpret_params
+  _interpret_params = plgpu.InterpretGPUParams(detect_races=detect_races)
+  try:
+    yield _interpret_params
+  finally:
+    _interpret_params = previous
+
+
+def interpret_params():
+  """The active InterpretGPUParams, or False outside interpret_kernels()."""
+  return _interpret_params if _interpret_params is not None else False
+
+
+def _feature_reason(p: Problem) -> str | None:
+  """Options the kernels do not take yet (issue: masks in the kernels)."""
+  if p.q.dtype.itemsize != 2:
+    return f"{p.q.dtype} inputs (the kernels take float16 or bfloat16)"
+  unsupported = [name for name in (
+      "bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
+      "query_segment_ids", "logits_soft_cap", "sinks")
+      if getattr(p, name) is not None]
+  if unsupported:
+    return f"{', '.join(unsupported)} (not supported by the kernels yet)"
+  return None
+
+
+def forward_reason(p: Problem) -> str | None:
+  """None if the forward kernel takes this problem, else why not."""
+  if _interpret_params is None and (reason := why_not_hopper()):
+    return reason
+  if reason := _feature_reason(p):
+    return reason
+  try:
+    from flash3.kernels import forward
+  except ImportError:
+    return "the forward kernel is not available in this build"
+  return forward.unsupported_reason(p.q.shape, p.k.shape, p.q.dtype, p.spec)
+
+
+def backward_reason(p: Problem) -> str | None:
+  """None if the backward kernels take this problem, else why not."""
+  try:
+    from flash3.kernels import backward
+  except ImportError:
+    return "the backward kernels are not available in this build"
+  return backward.unsupported_reason(p.q.shape, p.k.shape, p.q.dtype, p.spec)
+
+
+def warn_once(message: str) -> None:
+  if message not in _warned:
+    _warned.add(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def choose(p: Problem, implementation: str | None) -> str:
+  """Returns "mosaic" or "xla" for this problem."""
+  if implementation == "xla":
+    return "xla"
+  reason = forward_reason(p)
+  if reason is None:
+    return "mosaic"
+  if implementation == "mosaic":
+    raise NotImplementedError(
+        f"flash3: implementation='mosaic' cannot run this call: {reason}")
+  warn_once(f"flash3: using the XLA reference path: {reason}")
+  return "xla"

@@ -1,0 +1,232 @@
+"""Input checking for flash3.dot_product_attention, before anything is traced.
+
+Every error names the argument, its value and what is allowed: ValueError for
+shapes and values, TypeError for dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flash3.visibility import ALIGNMENTS, MaskSpec
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+IMPLEMENTATIONS = (None, "mosaic", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Validated, normalised arguments: all arrays batched (rank 4 for q, k, v)."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: jax.Array | None
+  mask: jax.Array | None
+  scale: float
+  spec: MaskSpec
+  query_seq_lengths: jax.Array | None
+  key_value_seq_lengths: jax.Array | None
+  query_segment_ids: jax.Array | None
+  key_value_segment_ids: jax.Array | None
+  logits_soft_cap: float | None
+  sinks: jax.Array | None
+  unbatched: bool
+
+  @property
+  def shape(self) -> dict[str, int]:
+    B, Tq, N, D = self.q.shape
+    return dict(B=B, Tq=Tq, Tk=self.k.shape[1], N=N, K=self.k.shape[2], D=D)
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def _dtype(x):
+  return jnp.result_type(x) if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_float(name: str, x) -> None:
+  if _dtype(x) not in FLOAT_DTYPES:
+    raise TypeError(
+        f"{name} has dtype {_dtype(x)}; allowed: float16, bfloat16, float32")
+
+
+def _check_int(name: str, x) -> None:
+  if not jnp.issubdtype(_dtype(x), jnp.integer):
+    raise TypeError(f"{name} has dtype {_dtype(x)}; allowed: an integer dtype (int32)")
+
+
+def _check_broadcast(name: str, x, target: tuple[int, ...]) -> None:
+  shape = _shape(x)
+  ok = len(shape) <= 4 and all(
+      s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+  if not ok:
+    raise ValueError(
+        f"{name} has shape {shape}, which does not broadcast to (B, N, Tq, Tk) = {target}")
+
+
+def _window(local_window_size) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
+    window = (int(local_window_size), int(local_window_size))
+  elif (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2
+        and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
+                for w in local_window_size)):
+    window = (int(local_window_size[0]), int(local_window_size[1]))
+  else:
+    raise ValueError(
+        f"local_window_size={local_window_size!r}; allowed: None, an int >= 0, "
+        "or a (left, right) pair of ints >= 0")
+  if min(window) < 0:
+    raise ValueError(
+        f"local_window_size={local_window_size!r} has a negative size; "
+        "allowed: sizes >= 0 (0 keeps only the aligned position itself)")
+  return window
+
+
+def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
+  if x is None:
+    return None
+  _check_int(name, x)
+  x = jnp.asarray(x)
+  if unbatched and x.ndim == 0:
+    x = x.reshape(1)
+  if _shape(x) != (batch,):
+    raise ValueError(f"{name} has shape {_shape(x)}; allowed: (B,) = ({batch},)")
+  if _is_concrete(x) and x.size:
+    lo, hi = int(jnp.min(x)), int(jnp.max(x))
+    if lo < 0 or hi > max_len:
+      raise ValueError(
+          f"{name} has values in [{lo}, {hi}]; allowed: 0 <= length <= {max_len}")
+  return x.astype(jnp.int32)
+
+
+def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
+  _check_int(name, x)
+  x = jnp.asarray(x)
+  want = (length,) if unbatched else (batch, length)
+  if _shape(x) != want:
+    raise ValueError(f"{name} has shape {_shape(x)}; allowed: {want}")
+  return (x[None] if unbatched else x).astype(jnp.int32)
+
+
+def _positive_finite(name: str, value) -> float:
+  try:
+    value = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise ValueError(f"{name}={value!r}; allowed: a finite Python or NumPy float") from None
+  if not math.isfinite(value):
+    raise ValueError(f"{name}={value!r}; allowed: a finite number")
+  return value
+
+
+def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+          key_value_seq_lengths, local_window_size, implementation,
+          return_residual, causal_alignment, query_segment_ids,
+          key_value_segment_ids, logits_soft_cap, sinks) -> Problem:
+  """Validates every argument and returns the normalised Problem."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation={implementation!r}; allowed: {IMPLEMENTATIONS} "
+        "(for cuDNN call jax.nn.dot_product_attention)")
+  if causal_alignment not in ALIGNMENTS:
+    raise ValueError(f"causal_alignment={causal_alignment!r}; allowed: {ALIGNMENTS}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal={is_causal!r}; allowed: True or False")
+  if not isinstance(return_residual, (bool, np.bool_)):
+    raise TypeError(f"return_residual={return_residual!r}; allowed: True or False")
+
+  names = ("query", "key", "value")
+  arrays = (query, key, value)
+  for name, x in zip(names, arrays):
+    if not hasattr(x, "shape"):
+      raise TypeError(f"{name} is a {type(x).__name__}; allowed: a jax or NumPy array")
+    _check_float(name, x)
+  rank = len(_shape(query))
+  for name, x in zip(names, arrays):
+    if len(_shape(x)) not in (3, 4) or len(_shape(x)) != rank:
+      raise ValueError(
+          f"{name} has shape {_shape(x)} (rank {len(_shape(x))}); allowed: rank 4 "
+          f"(B, T, heads, D) or rank 3 (T, heads, D), the same rank for query, key and "
+          f"value (query has rank {rank})")
+  if not _dtype(query) == _dtype(key) == _dtype(value):
+    raise TypeError(
+        f"query, key and value have dtypes {_dtype(query)}, {_dtype(key)}, "
+        f"{_dtype(value)}; allowed: one dtype for all three")
+  unbatched = rank == 3
+  q = jnp.asarray(query)[None] if unbatched else jnp.asarray(query)
+  k = jnp.asarray(key)[None] if unbatched else jnp.asarray(key)
+  v = jnp.asarray(value)[None] if unbatched else jnp.asarray(value)
+  B, Tq, N, D = q.shape
+  Bk, Tk, K, Dk = k.shape
+  if _shape(v) != _shape(k):
+    raise ValueError(f"value has shape {_shape(value)}; allowed: the shape of key {_shape(key)}")
+  if Bk != B:
+    raise ValueError(f"key has batch size B={Bk}; allowed: query's batch size B={B}")
+  if Dk != D:
+    raise ValueError(f"key has head_dim D={Dk}; allowed: query's head_dim D={D}")
+  if K == 0 or N % K:
+    raise ValueError(
+        f"query has N={N} heads and key has K={K}; allowed: K >= 1 dividing N (GQA/MQA)")
+
+  window = _window(local_window_size)
+  spec = MaskSpec(causal=bool(is_causal), alignment=causal_alignment,
+                  window_left=None if window is None else window[0],
+                  window_right=None if window is None else window[1])
+
+  if scale is None:
+    scale = 1.0 / math.sqrt(D) if D else 1.0
+  scale = _positive_finite("scale", scale)
+  if logits_soft_cap is not None:
+    logits_soft_cap = _positive_finite("logits_soft_cap", logits_soft_cap)
+    if logits_soft_cap <= 0:
+      raise ValueError(f"logits_soft_cap={logits_soft_cap!r}; allowed: None or a number > 0")
+
+  target = (B, N, Tq, Tk)
+  if bias is not None:
+    _check_float("bias", bias)
+    _check_broadcast("bias", bias, target)
+    bias = jnp.asarray(bias)
+  if mask is not None:
+    if _dtype(mask) != jnp.dtype(bool):
+      raise TypeError(f"mask has dtype {_dtype(mask)}; allowed: bool (True = keep)")
+    _check_broadcast("mask", mask, target)
+    mask = jnp.asarray(mask)
+
+  query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, B, Tq, unbatched)
+  key_value_seq_lengths = _lengths(
+      "key_value_seq_lengths", key_value_seq_lengths, B, Tk, unbatched)
+  if (query_segment_ids is None) != (key_value_segment_ids is None):
+    given = "query_segment_ids" if query_segment_ids is not None else "key_value_segment_ids"
+    raise ValueError(
+        f"only {given} was given; allowed: both query_segment_ids and "
+        "key_value_segment_ids, or neither")
+  if query_segment_ids is not None:
+    query_segment_ids = _segment_ids("query_segment_ids", query_segment_ids, B, Tq, unbatched)
+    key_value_segment_ids = _segment_ids(
+        "key_value_segment_ids", key_value_segment_ids, B, Tk, unbatched)
+  if sinks is not None:
+    _check_float("sinks", sinks)
+    if _shape(sinks) != (N,):
+      raise ValueError(f"sinks has shape {_shape(sinks)}; allowed: (N,) = ({N},)")
+    sinks = jnp.asarray(sinks)
+
+  return Problem(q=q, k=k, v=v, bias=bias, mask=mask, scale=scale, spec=spec,
+                 query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths,
+                 query_segment_ids=query_segment_ids,
+                 key_value_segment_ids=key_value_segment_ids,
+                 logits_soft_cap=logits_soft_cap, sinks=sinks, unbatched=unbatched)
+

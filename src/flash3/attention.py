@@ -1,0 +1,170 @@
+"""flash3.dot_product_attention: jax.nn's signature, FlashAttention-3 underneath."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from flash3 import _dispatch, _validate
+from flash3.reference import attention_reference
+from flash3.visibility import MaskSpec
+
+
+def dot_product_attention(
+    query: jax.typing.ArrayLike,
+    key: jax.typing.ArrayLike,
+    value: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.typing.ArrayLike | None = None,
+    key_value_seq_lengths: jax.typing.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["mosaic", "xla"] | None = None,
+    return_residual: bool = False,
+    causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
+    query_segment_ids: jax.typing.ArrayLike | None = None,
+    key_value_segment_ids: jax.typing.ArrayLike | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: jax.typing.ArrayLike | None = None,
+):
+  r"""Scaled dot-product attention, exact, with FlashAttention-3 kernels on Hopper.
+
+  A drop-in for ``jax.nn.dot_product_attention``: the same layout, names and
+  defaults, plus masks real models use. For each head,
+  ``o = softmax(mask(softcap(scale * q k^T + bias))) v``; the algorithm of the
+  kernels is FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sections 3.1
+  and 3.2: warp specialisation and ping-pong scheduling), the online softmax of
+  FlashAttention-2 (Dao 2023, section 3.1). docs/semantics.md defines every
+  rule below with examples.
+
+  Shapes (B batch, Tq/Tk query/key length, N query heads, K key/value heads,
+  D head_dim; K must divide N: GQA, and MQA for K = 1):
+
+  Args:
+    query: (B, Tq, N, D) or (Tq, N, D); float16, bfloat16 or float32.
+    key: (B, Tk, K, D) or (Tk, K, D), query's dtype.
+    value: key's shape and dtype.
+    bias: optional float array broadcastable to (B, N, Tq, Tk), added to the
+      scaled logits.
+    mask: optional bool array broadcastable to (B, N, Tq, Tk); True = keep.
+    scale: multiplies q.k; default 1/sqrt(D). A finite Python float.
+    is_causal: keep key j only if j <= i', the aligned query position.
+    query_seq_lengths: optional (B,) int: queries at index >= length are padding.
+    key_value_seq_lengths: optional (B,) int: keys at index >= length are padding.
+    local_window_size: optional int w or (left, right): keep keys with
+      i' - left <= j <= i' + right, both ends inclusive.
+    implementation: None picks the Mosaic GPU kernels on a Hopper GPU when
+      they support the call, else the XLA path (with a one-time warning that
+      says why); "mosaic" insists on the kernels; "xla" is the float32
+      reference (memory O(Tq * Tk)).
+    return_residual: also return the logsumexp.
+    causal_alignment: "top_left" (jax.nn: i' = i) or "bottom_right"
+      (FlashAttention, cuDNN: i' = i + Tk - Tq, using the valid lengths when
+      sequence lengths are given). Applies to is_causal and the window.
+    query_segment_ids, key_value_segment_ids: optional (B, Tq) and (B, Tk) int
+      (or (Tq,), (Tk,) for rank-3 inputs): a query sees only keys with the
+      same id (packed documents). Give both or neither.
+    logits_soft_cap: optional c > 0: logits become c * tanh(logits / c), after
+      scale and bias, before masking (Gemma 2).
+    sinks: optional (N,) float: one extra logit per head in the softmax
+      denominator, with no value attached (gpt-oss).
+
+  Returns:
+    The output, query's shape and dtype; with return_residual, also the
+    logsumexp of the softmax denominator (sink included), shape (B, Tq, N) or
+    (Tq, N), float32, NATURAL log. A query row that sees no key gets output 0,
+    logsumexp -inf (the sink's logit if sinks are given), and zero gradients;
+    jax.nn's XLA path instead returns the mean of v there.
+
+  Raises:
+    ValueError: a shape or value is not allowed (the message names the
+      argument, its value and what is allowed).
+    TypeError: a dtype is not allowed.
+    NotImplementedError: implementation="mosaic" cannot run this call (not a
+      Hopper GPU, or an option the kernels do not support yet); says which.
+  """
+  p = _validate.check(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, implementation=implementation,
+      return_residual=return_residual, causal_alignment=causal_alignment,
+      query_segment_ids=query_segment_ids,
+      key_value_segment_ids=key_value_segment_ids,
+      logits_soft_cap=logits_soft_cap, sinks=sinks)
+
+  if p.q.size == 0 or p.k.shape[1] == 0:
+    # Nothing to launch: every row sees no key (or there are no rows).
+    o, lse = _empty(p)
+  elif _dispatch.choose(p, implementation) == "mosaic":
+    static = _KernelArgs(scale=p.scale, spec=p.spec,
+                         interpret=_dispatch.interpret_params())
+    o, lse = _mosaic_attention(p.q, p.k, p.v, static)
+    lse = lse.transpose(0, 2, 1)
+  else:
+    o, lse = attention_reference(
+        p.q, p.k, p.v, scale=p.scale, spec=p.spec, bias=p.bias, mask=p.mask,
+        query_seq_lengths=p.query_seq_lengths,
+        key_value_seq_lengths=p.key_value_seq_lengths,
+        query_segment_ids=p.query_segment_ids,
+        key_value_segment_ids=p.key_value_segment_ids,
+        logits_soft_cap=p.logits_soft_cap, sinks=p.sinks)
+
+  if p.unbatched:
+    o, lse = o[0], lse[0]
+  return (o, lse) if return_residual else o
+
+
+def _empty(p: _validate.Problem):
+  """Output and logsumexp when Tq, Tk, B, N or D is zero (no kernel launch)."""
+  B, Tq, N, _ = p.q.shape
+  o = jnp.zeros(p.q.shape, p.q.dtype)
+  lse = jnp.full((B, Tq, N), -jnp.inf, jnp.float32)
+  if p.sinks is not None:
+    lse = jnp.broadcast_to(p.sinks.astype(jnp.float32), (B, Tq, N))
+  return o, lse
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelArgs:
+  """Static (hashable) arguments of the kernels."""
+
+  scale: float
+  spec: MaskSpec
+  interpret: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mosaic_attention(q, k, v, static: _KernelArgs):
+  """(o, lse) from the forward kernel; lse (B, N, Tq) float32 natural log."""
+  return _mosaic_forward(q, k, v, static)[0]
+
+
+def _mosaic_forward(q, k, v, static: _KernelArgs):
+  from flash3.kernels.forward import attention_forward
+  o, lse = attention_forward(q, k, v, scale=static.scale, mask=static.spec,
+                             interpret=static.interpret)
+  return (o, lse), (q, k, v, o, lse)
+
+
+def _mosaic_backward(static: _KernelArgs, residuals, cotangents):
+  q, k, v, o, lse = residuals
+  do, dlse = cotangents
+  from flash3.kernels import backward
+  # The lse cotangent enters as a shift of delta = rowsum(o * do):
+  # d lse_i / d s_ij = p_ij, so ds_ij = p_ij * (dp_ij - delta_i + dlse_i).
+  delta = (o.astype(jnp.float32) * do.astype(jnp.float32)).sum(-1)   # (B, Tq, N)
+  delta = delta.transpose(0, 2, 1) - dlse
+  return backward.attention_backward(
+      q, k, v, o, lse, do, scale=static.scale, mask=static.spec,
+      interpret=static.interpret, delta=delta)
+
+
+_mosaic_attention.defvjp(_mosaic_forward, _mosaic_backward)

@@ -1,0 +1,105 @@
+"""Small Mosaic GPU helpers shared by the forward and backward kernels.
+
+The one difference between the GPU path and GPU interpret mode lives here.
+jax 0.11.2's interpreter (../shared/design/INTERPRET.md) lacks three rules the
+fast GPU path uses: ``pl.run_state`` with ``plgpu.ACC.init`` (an accumulator
+initialised from registers), wgmma with a register left operand (FlashAttention-3
+feeds P to P @ V from registers), and stores into an accumulator ref. The
+static switch is ``uses_register_operands(interpret)``:
+
+* GPU (``interpret`` false): the left operand stays in registers and the
+  wgmma accumulates into the running accumulator in place.
+* interpret mode: the left operand is staged through a shared-memory buffer
+  (``staging``) and the product goes into a fresh zero accumulator that is then
+  added to the running one. Same math, one extra rounding-free add.
+
+Kernels allocate the staging buffer only when the switch says so, so the GPU
+path pays nothing for it. GPU tests cover the register path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+# Natural-log <-> base-2 conversions for softmax in the exp2 domain.
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def is_interpret(interpret: Any) -> bool:
+  """True if ``interpret`` (False/None, True, or InterpretGPUParams) asks for it."""
+  return interpret is not None and interpret is not False
+
+
+def interpret_params(interpret: Any) -> Any:
+  """The ``interpret=`` argument for ``plgpu.kernel``: None on the GPU path."""
+  if not is_interpret(interpret):
+    return None
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  return interpret
+
+
+def uses_register_operands(interpret: Any) -> bool:
+  """THE static switch: register-operand wgmma on the GPU, smem staging when interpreted."""
+  return not is_interpret(interpret)
+
+
+def smem_swizzle_transforms(minor_dim: int, itemsize: int) -> tuple[Any, ...]:
+  """Tiling + swizzle transforms for a 2D smem tile read by wgmma and TMA.
+
+  Uses the widest swizzle (128, 64 or 32 bytes) whose row fits ``minor_dim``.
+  Raises ValueError if ``minor_dim * itemsize`` is not a multiple of 32 bytes.
+  """
+  for swizzle in (128, 64, 32):
+    if (minor_dim * itemsize) % swizzle == 0:
+      elems = swizzle // itemsize
+      return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+  raise ValueError(
+      f"minor_dim={minor_dim} with itemsize={itemsize} is {minor_dim * itemsize} "
+      "bytes; a multiple of 32 bytes is needed for a swizzled wgmma tile")
+
+
+def matmul_smem(a_ref, b_ref, shape: tuple[int, int],
+                while_running: Callable[[], None] | None = None) -> jax.Array:
+  """``a_ref @ b_ref`` (both in shared memory) into a fresh float32 accumulator.
+
+  ``while_running`` is called after the wgmma is issued and before its result
+  is read, to overlap waits with the matmul. Works the same in interpret mode.
+  """
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a_ref, b_ref)
+    if while_running is not None:
+      while_running()
+    return acc_ref[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate_register_lhs(acc: jax.Array, a: jax.Array, b_ref, *,
+                            staging=None,
+                            while_running: Callable[[], None] | None = None
+                            ) -> jax.Array:
+  """``acc + a @ b_ref`` with ``a`` in registers (WGMMA layout), ``b_ref`` in smem.
+
+  Args:
+    acc: float32 (M, N) accumulator in the WGMMA layout.
+    a: (M, K) in the input dtype, WGMMA layout.
+    b_ref: (K, N) shared-memory ref.
+    staging: None on the GPU path; in interpret mode a (M, K) shared-memory
+      ref of a's dtype that ``a`` is written through (see the module docstring).
+    while_running: as in ``matmul_smem``.
+  """
+  if staging is None:
+    def body(acc_ref):
+      plgpu.wgmma(acc_ref, a, b_ref)
+      if while_running is not None:
+        while_running()
+    return pl.run_state(body)(plgpu.ACC.init(acc))
+  staging[...] = a
+  plgpu.commit_smem()
+  return acc + matmul_smem(staging, b_ref, acc.shape, while_running)

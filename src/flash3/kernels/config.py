@@ -1,0 +1,134 @@
+"""Tile sizes and pipeline depth of the forward kernel, and the heuristic that picks them.
+
+A ``ForwardConfig`` is frozen and hashable (the kernel takes it as a static
+argument) and checks itself at construction: every error is a ``ValueError``
+naming the field, the value and what is allowed.
+
+Shared memory of one CTA (``forward_smem_bytes``), everything in the input
+dtype except the float32 lse staging:
+
+* q / o staging: ``2 * block_q * D`` elements (one tile per compute warpgroup;
+  the output reuses the q tile),
+* the K/V ring: ``2 * num_stages * block_kv * D`` elements,
+* lse staging: ``2 * block_q`` float32,
+* interpret mode only: ``2 * block_q * block_kv`` elements for P (see common.py).
+
+Hopper (H100, H200) gives a CTA at most 227 KiB of shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flash3.visibility import MaskSpec
+
+# Opt-in shared memory per CTA on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SMEM_LIMIT_BYTES = 227 * 1024
+# Barriers and Mosaic GPU's own bookkeeping live in shared memory too.
+SMEM_RESERVED_BYTES = 1024
+# The forward runs two compute warpgroups, each on its own tile of block_q rows.
+NUM_COMPUTE_WARPGROUPS = 2
+
+
+def _check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
+  if (not isinstance(value, int) or isinstance(value, bool) or value % multiple
+      or not lo <= value <= hi):
+    raise ValueError(
+        f"{name}={value!r} is not allowed: it must be a multiple of {multiple} "
+        f"in [{lo}, {hi}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+  """Static tuning of the forward kernel.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (a CTA covers 2 * block_q rows).
+      Must be 64 (one wgmma M tile; 128 rows would not leave registers for a
+      128-wide accumulator).
+    block_kv: keys per K/V tile: a multiple of 64 in [64, 256].
+    num_stages: depth of the K/V ring in shared memory, in [1, 8]. The kernel
+      uses min(num_stages, number of key tiles) when that is smaller.
+    compute_registers: registers per thread granted to the compute
+      warpgroups (setmaxnreg); the producer gets ``producer_registers``.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  compute_registers: int = 232
+  producer_registers: int = 40
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"block_q={self.block_q!r} is not allowed: it must be 64")
+    _check_multiple("block_kv", self.block_kv, 64, 64, 256)
+    _check_multiple("num_stages", self.num_stages, 1, 1, 8)
+    _check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
+    _check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
+    # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
+    total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
+                   + self.producer_registers)
+    if total > 65536:
+      raise ValueError(
+          f"compute_registers={self.compute_registers} with producer_registers="
+          f"{self.producer_registers} needs {total} registers per CTA; at most "
+          "65536 are allowed")
+
+
+def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
+                       *, num_stages: int | None = None,
+                       interpret: bool = False) -> int:
+  """Shared memory one CTA of the forward kernel needs, in bytes."""
+  stages = config.num_stages if num_stages is None else num_stages
+  n = NUM_COMPUTE_WARPGROUPS
+  total = n * config.block_q * head_dim * itemsize
+  total += 2 * stages * config.block_kv * head_dim * itemsize
+  total += n * config.block_q * 4
+  if interpret:
+    total += n * config.block_q * config.block_kv * itemsize
+  return total + SMEM_RESERVED_BYTES
+
+
+def check_fits(config: ForwardConfig, head_dim: int, itemsize: int,
+               *, num_stages: int | None = None, interpret: bool = False) -> None:
+  """Raises ValueError if the config does not fit in shared memory."""
+  need = forward_smem_bytes(config, head_dim, itemsize, num_stages=num_stages,
+                            interpret=interpret)
+  if need > SMEM_LIMIT_BYTES:
+    raise ValueError(
+        f"config={config} needs {need} bytes of shared memory at head_dim="
+        f"{head_dim}; at most {SMEM_LIMIT_BYTES} are allowed: lower num_stages "
+        "or block_kv")
+
+
+def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
+                   kv_len: int) -> ForwardConfig:
+  """The default config for these arguments; it always fits shared memory.
+
+  Args:
+    head_dim: D after any padding the kernel does (a multiple of 64).
+    dtype: float16 or bfloat16 (both 2 bytes; the choice does not depend on it).
+    mask: the MaskSpec; causal masks prefer smaller key tiles (less waste on
+      the diagonal).
+    q_len, kv_len: Tq and Tk.
+  """
+  del dtype, q_len  # Same choice for both 16-bit types and all Tq today.
+  if head_dim <= 64:
+    block_kv, stages = 128, 4
+  elif head_dim <= 128:
+    block_kv, stages = 128, 2
+  else:
+    block_kv, stages = 64, 2
+  if mask.is_structural and head_dim <= 128:
+    block_kv = 128
+  # Never ring more tiles than there are keys.
+  tiles = max(1, -(-kv_len // block_kv))
+  stages = max(1, min(stages, tiles))
+  config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages)
+  # Shrink the ring until it fits, interpret-mode's P buffer included.
+  while (forward_smem_bytes(config, head_dim, 2, interpret=True) > SMEM_LIMIT_BYTES
+         and config.num_stages > 1):
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  check_fits(config, head_dim, 2)
+  return config
