@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from flash3 import _dispatch, _validate
+from flash3._kernel_call import KernelArgs, mosaic_attention
 from flash3.reference import attention_reference
-from flash3.visibility import MaskSpec
 
 
 def dot_product_attention(
@@ -104,9 +102,9 @@ def dot_product_attention(
     # Nothing to launch: every row sees no key (or there are no rows).
     o, lse = _empty(p)
   elif _dispatch.choose(p, implementation) == "mosaic":
-    static = _KernelArgs(scale=p.scale, spec=p.spec,
-                         interpret=_dispatch.interpret_params())
-    o, lse = _mosaic_attention(p.q, p.k, p.v, static)
+    static = KernelArgs(scale=p.scale, spec=p.spec,
+                        interpret=_dispatch.interpret_params())
+    o, lse = mosaic_attention(p.q, p.k, p.v, static)
     lse = lse.transpose(0, 2, 1)
   else:
     o, lse = attention_reference(
@@ -130,41 +128,3 @@ def _empty(p: _validate.Problem):
   if p.sinks is not None:
     lse = jnp.broadcast_to(p.sinks.astype(jnp.float32), (B, Tq, N))
   return o, lse
-
-
-@dataclasses.dataclass(frozen=True)
-class _KernelArgs:
-  """Static (hashable) arguments of the kernels."""
-
-  scale: float
-  spec: MaskSpec
-  interpret: Any
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mosaic_attention(q, k, v, static: _KernelArgs):
-  """(o, lse) from the forward kernel; lse (B, N, Tq) float32 natural log."""
-  return _mosaic_forward(q, k, v, static)[0]
-
-
-def _mosaic_forward(q, k, v, static: _KernelArgs):
-  from flash3.kernels.forward import attention_forward
-  o, lse = attention_forward(q, k, v, scale=static.scale, mask=static.spec,
-                             interpret=static.interpret)
-  return (o, lse), (q, k, v, o, lse)
-
-
-def _mosaic_backward(static: _KernelArgs, residuals, cotangents):
-  q, k, v, o, lse = residuals
-  do, dlse = cotangents
-  from flash3.kernels import backward
-  # The lse cotangent enters as a shift of delta = rowsum(o * do):
-  # d lse_i / d s_ij = p_ij, so ds_ij = p_ij * (dp_ij - delta_i + dlse_i).
-  delta = (o.astype(jnp.float32) * do.astype(jnp.float32)).sum(-1)   # (B, Tq, N)
-  delta = delta.transpose(0, 2, 1) - dlse
-  return backward.attention_backward(
-      q, k, v, o, lse, do, scale=static.scale, mask=static.spec,
-      interpret=static.interpret, delta=delta)
-
-
-_mosaic_attention.defvjp(_mosaic_forward, _mosaic_backward)

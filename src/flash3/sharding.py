@@ -1,0 +1,87 @@
+"""Running the kernels on sharded arrays under jit, with no gather.
+
+A Pallas kernel does not partition itself: left alone, XLA's partitioner would
+gather sharded operands onto every device. ``partitioned`` wraps a kernel call
+in ``jax.experimental.custom_partitioning`` with a Shardy rule that says which
+dimensions may stay sharded (batch and key/value heads) and which each device
+needs whole (sequence, head_dim, and the query heads of one GQA group). Each
+device then runs the kernel on its own shard; a different input sharding is
+resharded by XLA at the call, never gathered silently inside it.
+
+Operands are described by their kind:
+
+* ``"q"``: (B, T, K, G, D), query-like (q, o, do, dq) with the N = K * G query
+  heads split into key/value heads and their groups,
+* ``"kv"``: (B, S, K, D), key-like (k, v, dk, dv),
+* ``"row"``: (B, K, G, T), per query row (lse, delta).
+
+With one device (or inside shard_map) the wrapper is just the function.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+_FACTORS = {"q": "b t h g d", "kv": "b s h d", "row": "b h g t"}
+# Dimensions each device needs whole: the sequences and head_dim; group too,
+# so that dk/dv of a key/value head are summed inside one kernel (no all-reduce).
+_REPLICATED = ("t", "s", "d", "g")
+
+
+def _spec(kind: str, batch_axis, head_axis) -> P:
+  return {"q": P(batch_axis, None, head_axis, None, None),
+          "kv": P(batch_axis, None, head_axis, None),
+          "row": P(batch_axis, head_axis, None, None)}[kind]
+
+
+def _axes(sharding, kind: str):
+  """(batch axis, head axis) of a NamedSharding of an operand of this kind."""
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * 5
+  head_dim = {"q": 2, "kv": 2, "row": 1}[kind]
+  return spec[0], spec[head_dim]
+
+
+def partitioned(fn: Callable, in_kinds: Sequence[str], out_kinds: Sequence[str]):
+  """``fn`` wrapped so that sharded batch / key-value-head dims stay sharded.
+
+  Args:
+    fn: takes arrays of ``in_kinds`` and returns a tuple of ``out_kinds``;
+      it must be correct on any batch / head slice (attention is).
+    in_kinds, out_kinds: "q", "kv" or "row" for each operand and result.
+  """
+  wrapped = custom_partitioning(fn)
+
+  def partition(mesh, arg_shapes, result_shape):
+    batch_axis, head_axis = _axes(arg_shapes[0].sharding, in_kinds[0])
+    arg_shardings = tuple(
+        NamedSharding(mesh, _spec(kind, batch_axis, head_axis)) for kind in in_kinds)
+    out_shardings = tuple(
+        NamedSharding(mesh, _spec(kind, batch_axis, head_axis)) for kind in out_kinds)
+    return mesh, fn, out_shardings, arg_shardings
+
+  rule = (", ".join(_FACTORS[k] for k in in_kinds) + " -> "
+          + ", ".join(_FACTORS[k] for k in out_kinds))
+  # Shardy wants these in the order the factors first appear in the rule.
+  order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
+  replicated = tuple(f for f in order if f in _REPLICATED)
+  wrapped.def_partition(
+      partition=partition,
+      sharding_rule=rule,
+      need_replication_factors=replicated)
+  return wrapped
+
+
+def split_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
+  """(B, T, N, D) -> (B, T, K, G, D)."""
+  B, T, N, D = x.shape
+  return x.reshape(B, T, num_kv_heads, N // num_kv_heads, D)
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+  """(B, T, K, G, D) -> (B, T, N, D)."""
+  B, T, K, G, D = x.shape
+  return x.reshape(B, T, K * G, D)
