@@ -1,0 +1,273 @@
+"""Train the byte-level GPT on the Python standard library's source; see README.md here.
+
+Usage (from the repository root):
+  python -m examples.train_gpt --preset cpu              # tiny, XLA path, < 2 min on 2 cores
+  python -m examples.train_gpt --preset h200 --attention flash3 --out runs/flash3
+
+Writes under --out: log.json (config, one record per step, held-out losses, summary),
+loss.png (loss curves) and checkpoint.npz (saved every --checkpoint-every steps and at the
+end). Run again with the same --out and --resume to continue from the checkpoint; batches
+are a pure function of (seed, step), so a resumed run takes exactly the steps an
+uninterrupted run would have taken.
+
+Share of step time in attention: after training, the same jitted train step is built a
+second time with attention replaced by an elementwise stand-in (o = q + k + v, see
+attention.py) and both are timed on the same batch;
+share = 1 - t(stand-in) / t(real). This counts attention's forward and backward, and is an
+estimate: XLA may fuse differently around the stand-in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from . import attention as attention_lib
+from . import checkpoint
+from . import data as data_lib
+from . import model as model_lib
+
+PRESETS = {
+    # A few hundred steps of a ~90M-parameter model at T=4096 on one H200.
+    "h200": dict(num_layers=8, num_heads=8, num_kv_heads=2, head_dim=128, mlp_dim=2816,
+                 seq_len=4096, batch_size=8, steps=300, lr=1e-3, warmup=30,
+                 eval_every=50, eval_batches=4, checkpoint_every=100,
+                 max_train_bytes=None, attention_share_steps=10),
+    # Tiny: trains in well under two minutes on 2 CPU cores, and the loss visibly drops.
+    "cpu": dict(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=384,
+                seq_len=256, batch_size=8, steps=100, lr=3e-3, warmup=10,
+                eval_every=25, eval_batches=2, checkpoint_every=50,
+                max_train_bytes=4_000_000, attention_share_steps=3),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m examples.train_gpt", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+  p.add_argument("--attention", choices=attention_lib.IMPLEMENTATIONS, default="flash3")
+  p.add_argument("--out", default="runs/train_gpt", help="folder for log, plot, checkpoint")
+  p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.npz")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--head-dim", type=int, choices=(64, 128), dest="head_dim")
+  p.add_argument("--no-segments", action="store_true",
+                 help="let attention cross document boundaries (no segment ids)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  for name in ("num_layers", "num_heads", "num_kv_heads", "mlp_dim", "seq_len", "batch_size",
+               "steps", "warmup", "eval_every", "eval_batches", "checkpoint_every",
+               "max_train_bytes", "attention_share_steps"):
+    p.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+  p.add_argument("--lr", type=float)
+  args = p.parse_args(argv)
+  for k, v in PRESETS[args.preset].items():
+    if getattr(args, k, None) is None:
+      setattr(args, k, v)
+  if args.head_dim is None:
+    args.head_dim = PRESETS[args.preset]["head_dim"]
+  return args
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+  """AdamW, linear warmup then cosine decay to 10%, global-norm clipping at 1.0.
+
+  Weight decay applies to matrices only (not norms' scales)."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), end_value=args.lr * 0.1)
+  decay_mask = lambda params: jax.tree.map_with_path(  # noqa: E731
+      lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
+
+
+def make_train_step(config: model_lib.Config, optimizer, donate: bool = True):
+  def step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(config, p, batch))(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), loss
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def to_device(batch: data_lib.Batch, use_segments: bool) -> dict:
+  out = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
+  if not use_segments:
+    # One "document" per row for attention; the loss still skips cross-file targets.
+    out["segment_ids"] = jnp.ones_like(out["segment_ids"])
+  return out
+
+
+def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict:
+  """Time the real train step against one with attention replaced by a stand-in."""
+  timings = {}
+  for name, cfg in (("with_attention", config),
+                    ("attention_replaced", dataclasses.replace(config, attention="identity"))):
+    step = make_train_step(cfg, optimizer, donate=False)
+    jax.block_until_ready(step(state, batch))  # compile and warm up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      out = step(state, batch)
+    jax.block_until_ready(out)
+    timings[name] = (time.perf_counter() - t0) / steps
+  share = 1.0 - timings["attention_replaced"] / timings["with_attention"]
+  return {"method": "1 - t(step, attention replaced by o=q+k+v) / t(step)",
+          "step_s": timings["with_attention"], "step_s_attention_replaced":
+          timings["attention_replaced"], "attention_share": share, "timed_steps": steps}
+
+
+def evaluate(eval_fn, params, batches) -> float:
+  return float(np.mean([float(eval_fn(params, b)) for b in batches]))
+
+
+def plot(log: dict, path: pathlib.Path) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  steps = [r["step"] for r in log["steps"]]
+  ax.plot(steps, [r["train_loss"] for r in log["steps"]], lw=0.8, alpha=0.6, label="train")
+  if log["heldout"]:
+    ax.plot([r["step"] for r in log["heldout"]], [r["heldout_loss"] for r in log["heldout"]],
+            "o-", label="held-out (other files)")
+  ax.set_xlabel("step")
+  ax.set_ylabel("next-byte loss (nats)")
+  ax.set_title(f"byte-level GPT on the Python stdlib, attention: {log['attention']}",
+               fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_json(path: pathlib.Path, obj) -> None:
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+
+  min_bytes = 256
+  train_stream, heldout_stream = data_lib.load_splits(
+      min_bytes=min_bytes, max_train_bytes=args.max_train_bytes,
+      max_heldout_bytes=None if args.max_train_bytes is None else args.max_train_bytes // 10)
+  config = model_lib.Config(
+      num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+      head_dim=args.head_dim, mlp_dim=args.mlp_dim, attention=args.attention,
+      max_segments=data_lib.max_segments_per_row(args.seq_len, min_bytes))
+  use_segments = not args.no_segments
+  device = jax.devices()[0]
+  path_line = attention_lib.describe(args.attention)
+  say(f"device: {device.device_kind} ({device.platform}); attention: {path_line}")
+  say(f"data: {len(train_stream.files)} train files ({len(train_stream) / 1e6:.1f} MB), "
+      f"{len(heldout_stream.files)} held-out files ({len(heldout_stream) / 1e6:.1f} MB) "
+      f"from {data_lib.stdlib_root()}")
+
+  optimizer = make_optimizer(args)
+  params = model_lib.init_params(config, jax.random.key(args.seed))
+  state = (params, optimizer.init(params))
+  say(f"model: {model_lib.num_params(params) / 1e6:.2f}M params, {config.num_layers} layers, "
+      f"N={config.num_heads} K={config.num_kv_heads} D={config.head_dim}; "
+      f"B={args.batch_size} T={args.seq_len}, {args.steps} steps")
+
+  ckpt_path = out / "checkpoint.npz"
+  log_path = out / "log.json"
+  start = 0
+  log = {"args": vars(args), "config": dataclasses.asdict(config), "attention": path_line,
+         "device": f"{device.device_kind} ({device.platform})", "steps": [], "heldout": []}
+  if args.resume and ckpt_path.exists():
+    state, start = checkpoint.restore(ckpt_path, state)
+    if log_path.exists():
+      old = json.loads(log_path.read_text())
+      # Steps after the checkpoint will be taken again; keep the log consistent with it.
+      log["steps"] = [r for r in old["steps"] if r["step"] <= start]
+      log["heldout"] = [r for r in old["heldout"] if r["step"] <= start]
+    say(f"resumed from {ckpt_path} after step {start}")
+
+  train_step = make_train_step(config, optimizer)
+  eval_fn = jax.jit(lambda p, b: model_lib.loss_fn(config, p, b))
+  heldout = [to_device(b, use_segments) for b in data_lib.heldout_batches(
+      heldout_stream, args.eval_batches, args.batch_size, args.seq_len)]
+
+  def batch_for(step: int) -> dict:
+    return to_device(data_lib.train_batch(train_stream, step, args.batch_size, args.seq_len,
+                                          args.seed), use_segments)
+
+  if start == 0:
+    log["heldout"].append({"step": 0, "heldout_loss": evaluate(eval_fn, state[0], heldout)})
+  tokens_per_step = args.batch_size * args.seq_len
+  progress = None
+  if not args.no_progress:
+    from tqdm import tqdm  # noqa: PLC0415
+    progress = tqdm(total=args.steps, initial=start, desc=args.attention, unit="step",
+                    file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+  t_start = time.perf_counter()
+  for step in range(start + 1, args.steps + 1):  # step s consumes batch s; checkpoint at s
+    batch = batch_for(step)
+    t0 = time.perf_counter()
+    state, loss = train_step(state, batch)
+    loss = float(loss)  # waits for the step: the timing below is the real step time
+    dt = time.perf_counter() - t0
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"train loss is {loss} at step {step}")
+    log["steps"].append({"step": step, "train_loss": loss, "step_s": dt,
+                         "tokens_per_s": tokens_per_step / dt})
+    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
+    if step % args.eval_every == 0 or step == args.steps:
+      log["heldout"].append({"step": step, "heldout_loss": evaluate(eval_fn, state[0], heldout)})
+      postfix["heldout"] = f"{log['heldout'][-1]['heldout_loss']:.3f}"
+    if step % args.checkpoint_every == 0 or step == args.steps:
+      checkpoint.save(ckpt_path, state, step)
+      write_json(log_path, log)
+    if progress is not None:
+      progress.set_postfix(postfix, refresh=False)
+      progress.update(1)
+    elif step % max(1, args.eval_every // 5) == 0:
+      say(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()))
+  if progress is not None:
+    progress.close()
+  wall = time.perf_counter() - t_start
+
+  # Steady state: skip the first steps of this process (compilation, warm-up).
+  timed = [r for r in log["steps"] if r["step"] > start + min(5, (args.steps - start) // 4)]
+  summary = {"wall_s": wall, "final_train_loss": log["steps"][-1]["train_loss"] if log["steps"]
+             else None, "final_heldout_loss": log["heldout"][-1]["heldout_loss"],
+             "first_heldout_loss": log["heldout"][0]["heldout_loss"]}
+  if timed:
+    step_s = float(np.median([r["step_s"] for r in timed]))
+    summary.update(median_step_s=step_s, tokens_per_s=tokens_per_step / step_s)
+  if args.attention_share_steps > 0:
+    share = measure_attention_share(config, optimizer, state, batch_for(args.steps),
+                                    args.attention_share_steps)
+    summary["attention_time"] = share
+  log["summary"] = summary
+  write_json(log_path, log)
+  plot(log, out / "loss.png")
+  msg = (f"done: held-out loss {summary['first_heldout_loss']:.3f} -> "
+         f"{summary['final_heldout_loss']:.3f} nats/byte")
+  if "tokens_per_s" in summary:
+    msg += f"; {summary['tokens_per_s']:,.0f} tokens/s"
+  if "attention_time" in summary:
+    msg += f"; attention {100 * summary['attention_time']['attention_share']:.0f}% of step time"
+  say(msg + f"; wrote {log_path}, {out / 'loss.png'}, {ckpt_path}")
+  return log
+
+
+if __name__ == "__main__":
+  main()
