@@ -1,0 +1,382 @@
+"""FlashAttention-3 forward on Hopper (sm90), in Pallas Mosaic GPU.
+
+Algorithm: FlashAttention-3 (Shah et al., 2024), section 3: warp
+specialisation (one TMA producer warpgroup, two compute warpgroups),
+ping-pong scheduling of the two compute warpgroups (section 3.1) so one
+warpgroup's softmax overlaps the other's matmuls, and a multi-stage K/V ring
+in shared memory. The online softmax (FlashAttention-2, Dao 2023, algorithm 1)
+runs in the exp2 domain with ``scale * log2(e)`` folded into the scores.
+
+One CTA covers ``2 * block_q`` query rows of one (batch, head); compute
+warpgroup ``w`` owns rows ``[q0 + w * block_q, q0 + (w + 1) * block_q)``. The
+CTA visits the key tiles that some of its rows can see
+(``MaskSpec.key_range``); the producer streams exactly those. A warpgroup
+skips (waits, releases, does no math on) tiles none of its own rows can see,
+computes tiles every row sees in full (``MaskSpec.full_key_range``) without a
+mask, and applies the elementwise mask (``MaskSpec.visible`` on iotas, plus
+``key < Tk`` for the ragged last tile) only on the boundary tiles.
+
+Ragged lengths: TMA zero-fills loads past Tq / Tk and drops stores past Tq,
+so no padded copy of q, k, v or o exists; the tail of the last key tile is
+masked to -inf in-kernel. Element offsets past 2**31 are safe because TMA
+addresses by per-dimension coordinates from a 64-bit base.
+
+Head dims that are not a multiple of 64 are zero-padded to the next multiple
+of 64 in device memory (q, k, v copied once, o sliced): this costs one extra
+read+write of q, k, v and o and ``D_pad / D`` times the matmul work.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from flash3.kernels import common
+from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
+                                   check_fits, forward_config)
+from flash3.visibility import MaskSpec
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+MAX_HEAD_DIM = 256
+# CUDA grid limits: heads run on x (2**31 - 1), query tiles on y and batch on z.
+MAX_GRID_YZ = 65535
+HEAD_DIM_MULTIPLE = 64  # D is padded up to this (one 128-byte swizzle row).
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
+  """None if ``attention_forward`` supports these arguments, else why not.
+
+  Args:
+    q_shape: (B, Tq, N, D).
+    kv_shape: (B, Tk, K, D), the shape of k and of v.
+    dtype: the common dtype of q, k and v.
+    mask: a MaskSpec.
+  """
+  if len(q_shape) != 4 or len(kv_shape) != 4:
+    return f"q {tuple(q_shape)} and k/v {tuple(kv_shape)} must be 4D (B, T, N, D)"
+  B, Tq, N, D = q_shape
+  Bk, Tk, K, Dk = kv_shape
+  if B != Bk:
+    return f"q has batch {B} but k/v have batch {Bk}"
+  if D != Dk:
+    return f"q has head_dim {D} but k/v have head_dim {Dk}"
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} is not float16 or bfloat16"
+  if D % 8 or not 8 <= D <= MAX_HEAD_DIM:
+    return f"head_dim {D} must be a multiple of 8 in [8, {MAX_HEAD_DIM}]"
+  if B < 1 or Tq < 1 or Tk < 1 or N < 1 or K < 1:
+    return f"every dimension must be >= 1, got q {tuple(q_shape)} k/v {tuple(kv_shape)}"
+  if N % K:
+    return f"query heads {N} must be a multiple of key/value heads {K}"
+  if not isinstance(mask, MaskSpec):
+    return f"mask must be a flash3.visibility.MaskSpec, got {type(mask).__name__}"
+  if B > MAX_GRID_YZ:
+    return f"batch {B} exceeds the CUDA grid limit {MAX_GRID_YZ}"
+  if -(-Tq // (NUM_COMPUTE_WARPGROUPS * 64)) > MAX_GRID_YZ:
+    return f"Tq {Tq} needs more than {MAX_GRID_YZ} query tiles"
+  return None
+
+
+def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
+                      config: ForwardConfig | None = None,
+                      interpret: bool | Any = False
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Attention forward: softmax(scale * q k^T, masked) v, and its logsumexp.
+
+  Args:
+    q: (B, Tq, N, D) float16 or bfloat16.
+    k, v: (B, Tk, K, D), same dtype, N % K == 0 (GQA / MQA when K < N).
+    scale: the softmax scale (any finite float; callers default to 1/sqrt(D)).
+    mask: causal / alignment / window (flash3.visibility.MaskSpec).
+    config: tile sizes and pipeline depth; None picks ``forward_config``.
+    interpret: False for the GPU; True or ``plgpu.InterpretGPUParams`` to run
+      in GPU interpret mode on the CPU.
+
+  Returns:
+    o: (B, Tq, N, D) in q.dtype; rows that see no key are 0.
+    lse: (B, N, Tq) float32, the NATURAL log of the softmax denominator of
+      the scaled scores; -inf for rows that see no key.
+
+  Raises:
+    ValueError: unsupported shapes/dtypes (see ``unsupported_reason``), k and
+      v of different shapes or dtypes, or a config that does not fit.
+  """
+  if k.shape != v.shape:
+    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+  reason = unsupported_reason(q.shape, k.shape, q.dtype, mask)
+  if reason is not None:
+    raise ValueError(reason)
+  scale = float(scale)
+  if not math.isfinite(scale):
+    raise ValueError(f"scale={scale} must be finite")
+  _, Tq, _, D = q.shape
+  Tk = k.shape[1]
+  d_pad = _round_up(D, HEAD_DIM_MULTIPLE)
+  if d_pad != D:
+    pad = ((0, 0), (0, 0), (0, 0), (0, d_pad - D))
+    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+  if config is None:
+    config = forward_config(d_pad, q.dtype, mask, Tq, Tk)
+  interpret_params = common.interpret_params(interpret)
+  check_fits(config, d_pad, q.dtype.itemsize,
+             num_stages=_num_stages(config, Tk),
+             interpret=interpret_params is not None)
+  o, lse = _forward(q, k, v, scale=scale, mask=mask, config=config,
+                    interpret=interpret_params)
+  if d_pad != D:
+    o = o[..., :D]
+  return o, lse[:, :, :Tq]
+
+
+def _num_stages(config: ForwardConfig, kv_len: int) -> int:
+  return max(1, min(config.num_stages, -(-kv_len // config.block_kv)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "mask", "config", "interpret"))
+def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
+             interpret: Any):
+  B, Tq, N, D = q.shape
+  _, Tk, K, _ = k.shape
+  dtype = q.dtype
+  block_q, block_kv = config.block_q, config.block_kv
+  stages = _num_stages(config, Tk)
+  cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
+  num_q_ctas = -(-Tq // cta_rows)
+  # lse rows are padded to whole CTAs: TMA needs 16-byte row strides.
+  lse_len = num_q_ctas * cta_rows
+  transforms = common.smem_swizzle_transforms(D, dtype.itemsize)
+  staging = not common.uses_register_operands(interpret)
+
+  body = functools.partial(
+      _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
+      block_q=block_q, block_kv=block_kv, stages=stages, dtype=dtype,
+      config=config)
+  scratch = dict(
+      qo=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
+                    transforms=transforms),
+      k=plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
+      v=plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
+      lse=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q), jnp.float32),
+      q_loaded=plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS),
+      k_loaded=plgpu.Barrier(num_barriers=stages),
+      v_loaded=plgpu.Barrier(num_barriers=stages),
+      k_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
+                           num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
+                           num_barriers=stages),
+      schedule=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS),
+  )
+  if staging:  # Interpret mode only: P goes to P @ V through shared memory.
+    scratch["p"] = plgpu.SMEM(
+        (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
+        transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
+  kernel = plgpu.kernel(
+      lambda q_ref, k_ref, v_ref, o_ref, lse_ref: pl.run_scoped(
+          lambda **s: body(q_ref, k_ref, v_ref, o_ref, lse_ref, s),
+          **scratch, collective_axes="wg"),
+      out_type=(jax.ShapeDtypeStruct((B, Tq, N, D), dtype),
+                jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
+      grid=(N, num_q_ctas, B),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=NUM_COMPUTE_WARPGROUPS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )
+  return kernel(q, k, v)
+
+
+def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int):
+  """Key tiles ``[t_lo, t_hi)`` some row of ``[q_lo, q_hi)`` sees (empty if q_hi <= q_lo)."""
+  k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, Tk)
+  t_lo = lax.div(jnp.asarray(k_lo, jnp.int32), block_kv)
+  t_hi = lax.div(jnp.asarray(k_hi, jnp.int32) + (block_kv - 1), block_kv)
+  empty = (k_hi <= k_lo) | (q_hi <= q_lo)
+  t_lo = jnp.where(empty, 0, t_lo)
+  t_hi = jnp.where(empty, 0, t_hi)
+  return t_lo, t_hi
+
+
+def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
+                 heads_per_kv, scale, mask, block_q, block_kv, stages, dtype,
+                 config):
+  wg = lax.axis_index("wg")
+  head = lax.axis_index("heads")
+  batch = lax.axis_index("batch")
+  kv_head = lax.div(head, jnp.asarray(heads_per_kv, head.dtype))
+  shift = mask.shift(Tq, Tk)
+  cta_q_lo = lax.axis_index("q_tiles") * (NUM_COMPUTE_WARPGROUPS * block_q)
+  cta_q_hi = jnp.minimum(cta_q_lo + NUM_COMPUTE_WARPGROUPS * block_q, Tq)
+  # The key tiles this CTA streams; both compute warpgroups step through all of them.
+  t_lo, t_hi = _tile_ranges(mask, cta_q_lo, cta_q_hi, shift, Tk, block_kv)
+  t_hi = jnp.maximum(t_hi, t_lo)
+
+  def slot_of(t):
+    return lax.rem(t - t_lo, stages)
+
+  def schedule_sync():
+    plgpu.barrier_arrive(smem["schedule"])
+    plgpu.barrier_wait(smem["schedule"])
+
+  @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
+  def _compute():
+    plgpu.set_max_registers(config.compute_registers, action="increase")
+    q_smem = smem["qo"].at[wg]
+    p_stage = smem["p"].at[wg] if "p" in smem else None
+    q_lo = cta_q_lo + wg * block_q
+    q_hi = jnp.minimum(q_lo + block_q, Tq)
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_lo, block_q), head], q_smem,
+                            smem["q_loaded"].at[wg])
+    # This warpgroup's own tiles, clamped into the CTA's.
+    w_lo, w_hi = _tile_ranges(mask, q_lo, q_hi, shift, Tk, block_kv)
+    w_lo = jnp.clip(w_lo, t_lo, t_hi)
+    w_hi = jnp.clip(w_hi, w_lo, t_hi)
+    # Tiles every row sees in full (and wholly below Tk) need no mask.
+    f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, Tk)
+    ft_lo = lax.div(jnp.asarray(f_lo, jnp.int32) + (block_kv - 1), block_kv)
+    ft_hi = lax.div(jnp.asarray(f_hi, jnp.int32), block_kv)
+    m1 = jnp.clip(ft_lo, w_lo, w_hi)
+    m2 = jnp.clip(ft_hi, m1, w_hi)
+
+    plgpu.barrier_wait(smem["q_loaded"].at[wg])
+    score_scale = scale * common.LOG2_E
+    reduced = plgpu.Layout.WGMMA.reduce(1)
+    D = q_smem.shape[-1]
+
+    def compute_step(t, carry, *, masked: bool):
+      acc, m, l = carry
+      slot = slot_of(t)
+      plgpu.barrier_wait(smem["k_loaded"].at[slot])
+      s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
+                             (block_q, block_kv), while_running=schedule_sync)
+      plgpu.barrier_arrive(smem["k_free"].at[slot])
+      # Scale first, then take the max of the scaled scores: exp2(s - m) <= 1
+      # exactly, even where an FMA's unrounded product would overflow (E03).
+      s = s * score_scale
+      if masked:
+        q_idx = q_lo + plgpu.broadcasted_iota(
+            jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+        k_idx = t * block_kv + plgpu.broadcasted_iota(
+            jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        keep = k_idx < Tk
+        if mask.is_structural:
+          keep = keep & mask.visible(q_idx, k_idx, shift)
+        s = jnp.where(keep, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      if masked:
+        # A row with nothing visible so far keeps m = -inf; subtract 0 instead
+        # so exp2 never sees -inf - -inf.
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      else:
+        m_sub = m_new
+      alpha = jnp.exp2(m - m_sub)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      l = l * alpha
+
+      def release_softmax():
+        plgpu.barrier_arrive(smem["schedule"])
+        plgpu.barrier_wait(smem["v_loaded"].at[slot])
+        plgpu.barrier_wait(smem["schedule"])
+
+      p16 = p.astype(dtype)
+      # Which of the row sum and the barriers goes first matters for register
+      # pressure; at D=256 the accumulator leaves no room to hold p across.
+      if D <= 128:
+        l = l + p.sum(axis=1)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        release_softmax()
+      else:
+        release_softmax()
+        l = l + p.sum(axis=1)
+      acc = common.accumulate_register_lhs(acc, p16, smem["v"].at[slot],
+                                           staging=p_stage)
+      plgpu.barrier_arrive(smem["v_free"].at[slot])
+      return acc, m_new, l
+
+    def skip_step(t, carry):
+      # Keep every barrier's phases in step with the other warpgroup and the
+      # producer: wait for and release the tile, sync twice like compute_step.
+      slot = slot_of(t)
+      plgpu.barrier_wait(smem["k_loaded"].at[slot])
+      plgpu.barrier_arrive(smem["k_free"].at[slot])
+      schedule_sync()
+      plgpu.barrier_wait(smem["v_loaded"].at[slot])
+      plgpu.barrier_arrive(smem["v_free"].at[slot])
+      schedule_sync()
+      return carry
+
+    acc = plgpu.layout_cast(jnp.zeros((block_q, D), jnp.float32),
+                            plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), reduced)
+    l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), reduced)
+    # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0.
+    pl.when(wg == 1)(schedule_sync)
+    lax.fori_loop(t_lo, w_lo, skip_step, None)
+    carry = (acc, m, l)
+    carry = lax.fori_loop(w_lo, m1, functools.partial(compute_step, masked=True), carry)
+    carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
+    carry = lax.fori_loop(m2, w_hi, functools.partial(compute_step, masked=True), carry)
+    lax.fori_loop(w_hi, t_hi, skip_step, None)
+    pl.when(wg == 0)(schedule_sync)
+    acc, m, l = carry
+
+    seen = l > 0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    lse = jnp.where(seen, m * common.LN_2 + jnp.log(jnp.where(seen, l, 1.0)),
+                    -jnp.inf)
+    q_smem[...] = o.astype(dtype)
+    lse_smem = smem["lse"].at[wg]
+    lse_smem[...] = lse
+    plgpu.commit_smem()
+    # TMA drops the rows past Tq.
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
+  def _producer():
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
+
+    def load(t, slot):
+      rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
+                              smem["k_loaded"].at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
+                              smem["v_loaded"].at[slot])
+
+    for i in range(stages):
+      pl.when(t_lo + i < t_hi)(functools.partial(load, t_lo + i, i))
+
+    @pl.loop(t_lo + stages, t_hi)
+    def _refill(t):
+      slot = slot_of(t)
+      rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
+      plgpu.barrier_wait(smem["k_free"].at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
+                              smem["k_loaded"].at[slot])
+      plgpu.barrier_wait(smem["v_free"].at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
+                              smem["v_loaded"].at[slot])
+
+    # Observe the last release of every slot: the interpreter requires every
+    # phase of a waited barrier to be waited on; on the GPU this costs nothing.
+    @pl.loop(jnp.maximum(t_hi - stages, t_lo), t_hi)
+    def _drain(t):
+      slot = slot_of(t)
+      plgpu.barrier_wait(smem["k_free"].at[slot])
+      plgpu.barrier_wait(smem["v_free"].at[slot])
