@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-segments", action="store_true",
                  help="let attention cross document boundaries (no segment ids)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--stop-at", type=int, default=None,
+                 help="end the process after this step, as an interruption would (tests resume)")
   for name in ("num_layers", "num_heads", "num_kv_heads", "mlp_dim", "seq_len", "batch_size",
                "steps", "warmup", "eval_every", "eval_batches", "checkpoint_every",
                "max_train_bytes", "attention_share_steps"):
@@ -240,6 +242,11 @@ def main(argv=None) -> dict:
       progress.update(1)
     elif step % max(1, args.eval_every // 5) == 0:
       say(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()))
+    if args.stop_at is not None and step >= args.stop_at:
+      say(f"stopping after step {step} (--stop-at); the last checkpoint is kept")
+      if progress is not None:
+        progress.close()
+      return log
   if progress is not None:
     progress.close()
   wall = time.perf_counter() - t_start

@@ -1,0 +1,110 @@
+"""The train_gpt example on the CPU: data split, packing, a few tiny steps, exact resume."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("optax", reason="needs the examples extra: FLASH3_EXTRAS=examples")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax.numpy as jnp  # noqa: E402
+
+from examples.train_gpt import attention as attention_lib  # noqa: E402
+from examples.train_gpt import data as data_lib  # noqa: E402
+from examples.train_gpt import train as train_lib  # noqa: E402
+
+TINY = ["--preset", "cpu", "--attention", "xla", "--num-layers", "1", "--num-heads", "2",
+        "--num-kv-heads", "1", "--head-dim", "64", "--mlp-dim", "128", "--seq-len", "64",
+        "--batch-size", "4", "--lr", "1e-2", "--warmup", "2", "--eval-batches", "2",
+        "--max-train-bytes", "300000", "--attention-share-steps", "0", "--no-progress"]
+
+
+def test_split_by_file_has_no_overlap():
+  root = data_lib.stdlib_root()
+  files = data_lib.stdlib_files(root)
+  train, heldout = data_lib.split_files(files, root, heldout_percent=5)
+  assert len(train) + len(heldout) == len(files)
+  assert heldout and len(heldout) < len(train)
+  assert not set(train) & set(heldout)
+  # The split depends only on the relative path, so every machine splits alike.
+  again_train, again_heldout = data_lib.split_files(list(reversed(files)), root, 5)
+  assert set(again_heldout) == set(heldout)
+  assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+
+
+def test_packing_marks_document_boundaries(tmp_path):
+  (tmp_path / "a.py").write_bytes(b"A" * 300)
+  (tmp_path / "b.py").write_bytes(b"B" * 300)
+  stream = data_lib.build_stream(data_lib.stdlib_files(tmp_path), tmp_path)
+  assert stream.files == ("a.py", "b.py")
+  batch = data_lib.batch_at(stream, np.array([290, 0]), seq_len=16)
+  row = batch.inputs[0]
+  # Positions 0..9 are the end of a.py, 10..15 the start of b.py.
+  np.testing.assert_array_equal(row, [65] * 10 + [66] * 6)
+  np.testing.assert_array_equal(batch.segment_ids[0], [1] * 10 + [2] * 6)
+  np.testing.assert_array_equal(batch.targets[0], [65] * 9 + [66] * 7)
+  # The target of position 9 (last byte of a.py) is in b.py: not a next-byte target.
+  np.testing.assert_array_equal(batch.loss_mask[0], [1] * 9 + [0] + [1] * 6)
+  np.testing.assert_array_equal(batch.segment_ids[1], [1] * 16)
+  assert batch.loss_mask[1].all()
+
+
+def test_cudnn_packed_lengths_and_offsets():
+  seg = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+  seqlen, offsets = attention_lib._packed_lengths_offsets(seg, max_segments=4)
+  np.testing.assert_array_equal(seqlen, [[3, 2, 3, -1], [8, -1, -1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 3, 5, 8, -1], [0, 8, -1, -1, -1]])
+
+
+def _losses(out):
+  log = json.loads((out / "log.json").read_text())
+  return [r["train_loss"] for r in log["steps"]], log
+
+
+def test_tiny_training_loss_goes_down(tmp_path):
+  train_lib.main(TINY + ["--steps", "30", "--eval-every", "30", "--out", str(tmp_path)])
+  losses, log = _losses(tmp_path)
+  assert [r["step"] for r in log["steps"]] == list(range(1, 31))
+  assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
+  assert log["heldout"][-1]["heldout_loss"] < log["heldout"][0]["heldout_loss"] - 1.0
+  assert log["summary"]["tokens_per_s"] > 0
+  assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_resume_continues_at_the_right_step_with_identical_results(tmp_path):
+  common = TINY + ["--steps", "6", "--eval-every", "3", "--checkpoint-every", "3"]
+  straight, broken = tmp_path / "straight", tmp_path / "broken"
+  train_lib.main(common + ["--out", str(straight)])
+  # Interrupted after step 4: the checkpoint holds step 3, so step 4 is taken again.
+  train_lib.main(common + ["--out", str(broken), "--stop-at", "4"])
+  train_lib.main(common + ["--out", str(broken), "--resume"])
+  a, log_a = _losses(straight)
+  b, log_b = _losses(broken)
+  assert [r["step"] for r in log_b["steps"]] == list(range(1, 7))
+  assert a == b  # bit-identical on the CPU
+  assert log_a["heldout"] == log_b["heldout"]
+  with np.load(straight / "checkpoint.npz") as fa, np.load(broken / "checkpoint.npz") as fb:
+    assert int(fa["step"]) == int(fb["step"]) == 6
+    for name in fa.files:
+      np.testing.assert_array_equal(fa[name], fb[name], err_msg=name)
+
+
+def test_flash3_switch_matches_xla_on_cpu():
+  # On the CPU flash3 runs its XLA path: the same loss as the XLA switch, to bf16 noise.
+  import jax  # noqa: PLC0415
+  from examples.train_gpt import model as model_lib  # noqa: PLC0415
+  stream = data_lib.build_stream(data_lib.stdlib_files(data_lib.stdlib_root())[:20],
+                                 data_lib.stdlib_root())
+  batch = train_lib.to_device(data_lib.train_batch(stream, 1, 2, 128, 0), True)
+  cfg = model_lib.Config(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=128)
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  losses = {}
+  for impl in ("flash3", "xla"):
+    c = model_lib.Config(**{**cfg.__dict__, "attention": impl})
+    losses[impl] = float(model_lib.loss_fn(c, params, batch))
+  assert abs(losses["flash3"] - losses["xla"]) < 2e-2, losses
+  assert 5.0 < losses["xla"] < 6.0  # ~ln(256) at initialisation
