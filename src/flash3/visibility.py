@@ -148,6 +148,18 @@ class MaskSpec:
       k_hi = _min(kv_len, q_lo + shift + self.right + 1)
     return k_lo, k_hi
 
+  def full_query_range(self, k_lo: Any, k_hi: Any, shift: Any, q_len: Any):
+    """Queries ``[q_lo, q_hi)`` that see EVERY key in ``[k_lo, k_hi)``.
+
+    A query tile inside this range needs no elementwise structural mask
+    against that key tile (the backward's dk/dv kernel walks query tiles).
+    """
+    q_lo = 0 if self.right is None else _max(0, k_hi - 1 - shift - self.right)
+    q_hi = q_len
+    if self.left is not None:
+      q_hi = _min(q_len, k_lo - shift + self.left + 1)
+    return q_lo, q_hi
+
 
 def dense_mask(
     spec: MaskSpec,

@@ -1,0 +1,657 @@
+"""FlashAttention-3 backward on Hopper: the dq kernel and the dk/dv kernel.
+
+Algorithm: FlashAttention-2 (Dao, 2023), Algorithm 2, split as in
+FlashAttention-3 (Shah et al., 2024), Section 3 and Appendix B.1, into two
+warp-specialised Mosaic GPU kernels that never write atomics (so gradients are
+bitwise deterministic):
+
+* delta = rowsum(o * do) in float32 (XLA; one fused pass over o and do).
+* dq kernel, one CTA per (query head, ``compute_wgs * block_q`` queries, batch):
+  each compute warpgroup holds its q, do, lse, delta tile and walks the key
+  tiles its queries can see while a producer warpgroup streams K and V through
+  a ring of ``num_stages`` shared-memory slots (TMA).
+  s = q k^T, p = exp(scale s - lse), dp = do v^T, ds = p (dp - delta),
+  dq += ds k; finally dq *= scale.
+* dk/dv kernel, one CTA per (KV head, ``compute_wgs * block_kv`` keys, batch):
+  each compute warpgroup holds its K and V tile and walks, for every query
+  head of its GQA group in turn, the query tiles that can see it, while the
+  producer streams q, do, lse and delta. sT = k q^T, pT = exp(scale sT - lse),
+  dv += pT do, dpT = v do^T, dsT = pT (dpT - delta), dk += dsT q; finally
+  dk *= scale. dk, dv are accumulated per KV head in registers, never per
+  query head in memory.
+
+Masks come from ``flash3.visibility.MaskSpec``: ``key_range`` /
+``query_range`` skip tiles nobody sees, ``full_key_range`` /
+``full_query_range`` find the tiles that need no elementwise mask, and
+``visible`` on iotas masks the boundary tiles. Sequence tails need no padding:
+TMA reads past the end as zeros and drops writes past the end, and the tiles
+that hold a tail are masked (lse and delta, which XLA prepares here anyway,
+are padded with +inf and 0, so padded query rows get p = 0).
+
+Units: ``lse`` is the NATURAL log of the softmax denominator; inside the
+kernels it is carried as ``lse * log2(e)`` to use exp2. Rows with lse = -inf
+(they see no key) get p = 0 and so dq = 0 and no contribution to dk, dv.
+
+GPU interpret mode: the only difference is ``common.uses_register_operands``
+(register-operand wgmma on the GPU, staging through shared memory when
+interpreted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flash3.kernels import common
+from flash3.visibility import MaskSpec
+
+# Opt-in shared memory per CTA on sm90, minus room for barriers.
+SMEM_LIMIT_BYTES = 227 * 1024
+_SMEM_RESERVED_BYTES = 1024
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def _check_int(name: str, value: Any, multiple: int, lo: int, hi: int) -> None:
+  if (not isinstance(value, int) or isinstance(value, bool) or value % multiple
+      or not lo <= value <= hi):
+    raise ValueError(f"{name}={value!r} is not allowed: it must be a multiple "
+                     f"of {multiple} in [{lo}, {hi}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Static tuning of the two backward kernels; validates itself.
+
+  Attributes:
+    block_q_dq: query rows per compute warpgroup in the dq kernel (wgmma M).
+    block_kv_dq: keys per streamed K/V tile in the dq kernel.
+    compute_wgs_dq: compute warpgroups per CTA of the dq kernel (1 or 2);
+      they share the K/V stream.
+    block_kv_dkv: keys per compute warpgroup in the dk/dv kernel (wgmma M).
+    block_q_dkv: query rows per streamed q/do tile in the dk/dv kernel.
+    compute_wgs_dkv: compute warpgroups per CTA of the dk/dv kernel (1 or 2).
+    num_stages: depth of the shared-memory ring of streamed tiles.
+    split_dkv: compute dk and dv in two launches of the dk/dv kernel, each
+      holding one float32 accumulator (head_dim 256 has no registers for two).
+  """
+
+  block_q_dq: int = 64
+  block_kv_dq: int = 128
+  compute_wgs_dq: int = 2
+  block_kv_dkv: int = 64
+  block_q_dkv: int = 64
+  compute_wgs_dkv: int = 2
+  num_stages: int = 2
+  split_dkv: bool = False
+
+  def __post_init__(self):
+    for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
+      _check_int(name, getattr(self, name), 64, 64, 256)
+    _check_int("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
+    _check_int("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
+    _check_int("num_stages", self.num_stages, 1, 1, 8)
+    if not isinstance(self.split_dkv, bool):
+      raise ValueError(f"split_dkv={self.split_dkv!r} must be a bool")
+
+  def smem_bytes(self, head_dim: int, itemsize: int = 2,
+                 interpret: bool = False) -> tuple[int, int]:
+    """Shared memory per CTA of (the dq kernel, the dk/dv kernel), in bytes."""
+    w, s = self.compute_wgs_dq, self.num_stages
+    bq, bk = self.block_q_dq, self.block_kv_dq
+    dq = w * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
+    dq += s * 2 * bk * head_dim * itemsize  # K, V ring
+    if interpret:
+      dq += w * bq * bk * itemsize  # ds staging
+    w = self.compute_wgs_dkv
+    bq, bk = self.block_q_dkv, self.block_kv_dkv
+    dkv = w * 2 * bk * head_dim * itemsize  # K, V (reused for dk, dv)
+    dkv += s * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
+    if interpret:
+      dkv += w * bk * bq * itemsize  # pT / dsT staging
+    return (dq + _SMEM_RESERVED_BYTES, dkv + _SMEM_RESERVED_BYTES)
+
+  def check_fits(self, head_dim: int, itemsize: int = 2,
+                 interpret: bool = False) -> None:
+    """Raises ValueError if either kernel needs more than 227 KiB of smem."""
+    for kernel, need in zip(("dq", "dk/dv"),
+                            self.smem_bytes(head_dim, itemsize, interpret)):
+      if need > SMEM_LIMIT_BYTES:
+        raise ValueError(
+            f"{self} needs {need} bytes of shared memory in the {kernel} kernel "
+            f"at head_dim={head_dim}; at most {SMEM_LIMIT_BYTES} are allowed")
+
+  @classmethod
+  def heuristic(cls, head_dim: int, q_len: int, kv_len: int,
+                mask: MaskSpec | None = None) -> "BackwardConfig":
+    """A config that fits shared memory (also in interpret mode) for head_dim."""
+    del q_len, kv_len, mask  # Same choice for all lengths and masks today.
+    if head_dim <= 64:
+      config = cls(block_kv_dq=128, block_q_dkv=128, num_stages=2)
+    elif head_dim <= 128:
+      config = cls(block_kv_dq=128, block_q_dkv=64, num_stages=2)
+    else:
+      # Two float32 (64, 256) accumulators do not fit one warpgroup's
+      # registers; one compute warpgroup keeps the ring within smem.
+      config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
+                   compute_wgs_dkv=1, num_stages=2, split_dkv=True)
+    while (max(config.smem_bytes(head_dim, 2, interpret=True)) > SMEM_LIMIT_BYTES
+           and config.num_stages > 1):
+      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    config.check_fits(head_dim, 2, interpret=True)
+    return config
+
+
+def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
+  """None if the backward kernels support these arguments, else a sentence why not."""
+  del mask  # Every MaskSpec (causal, both alignments, windows) is supported.
+  if len(q_shape) != 4 or len(kv_shape) != 4:
+    return f"q {tuple(q_shape)} and k/v {tuple(kv_shape)} must both be 4D (B, T, heads, D)"
+  b, tq, n, d = q_shape
+  bk, tk, k, dk = kv_shape
+  if b != bk or d != dk:
+    return f"q {tuple(q_shape)} and k/v {tuple(kv_shape)} disagree on batch or head_dim"
+  if jnp.dtype(dtype) not in _SUPPORTED_DTYPES:
+    return f"dtype {jnp.dtype(dtype)} is not float16 or bfloat16"
+  if n % k:
+    return f"{n} query heads are not a multiple of {k} key/value heads"
+  if tq < 1 or tk < 1:
+    return f"sequence lengths Tq={tq}, Tk={tk} must be at least 1"
+  if d % 16 or not 16 <= d <= 256:
+    return f"head_dim {d} is not a multiple of 16 in [16, 256]"
+  return None
+
+
+# ---------------------------------------------------------------------------
+# Tile ranges. All arithmetic is on int32 scalars (traced or Python ints) and
+# only on non-negative values where it divides, so lax.div is floor division.
+
+
+def _div(x, m: int):
+  return lax.div(x, jnp.int32(m))
+
+
+def _cdiv(x, m: int):
+  return lax.div(x + (m - 1), jnp.int32(m))
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _tile_plan(lo, hi, span_lo, span_hi, full_lo, full_hi, block: int):
+  """Tiles of size ``block`` for one warpgroup's row range.
+
+  Args:
+    lo, hi: the warpgroup's own rows (already clipped to the length).
+    span_lo, span_hi: the other axis' positions any of those rows may see.
+    full_lo, full_hi: the positions all of those rows see.
+  Returns:
+    (nonempty, t_lo, a, b, t_hi): tiles [t_lo, t_hi) are visited; those in
+    [a, b) need no elementwise mask.
+  """
+  span_hi = jnp.maximum(span_hi, 0)
+  nonempty = (hi > lo) & (span_hi > span_lo)
+  t_lo = _div(span_lo, block)
+  t_hi = jnp.maximum(_cdiv(span_hi, block), t_lo)
+  a = _clamp(_cdiv(full_lo, block), t_lo, t_hi)
+  b = _clamp(_div(jnp.maximum(full_hi, 0), block), a, t_hi)
+  return nonempty, t_lo, a, b, t_hi
+
+
+def _union(plans):
+  """The CTA's tile range: the union of its warpgroups' nonempty ranges."""
+  big = jnp.int32(2**30)
+  lo = functools.reduce(jnp.minimum, [jnp.where(p[0], p[1], big) for p in plans])
+  hi = functools.reduce(jnp.maximum, [jnp.where(p[0], p[4], 0) for p in plans])
+  lo = jnp.where(hi > lo, lo, 0)
+  hi = jnp.maximum(hi, lo)
+  return lo, hi
+
+
+def _own_sections(plan, cta_lo, cta_hi):
+  """[cta_lo, t_lo) drain, [t_lo, a) masked, [a, b) full, [b, t_hi) masked, [t_hi, cta_hi) drain."""
+  nonempty, t_lo, a, b, t_hi = plan
+  t_lo = jnp.where(nonempty, _clamp(t_lo, cta_lo, cta_hi), cta_lo)
+  a = jnp.where(nonempty, _clamp(a, t_lo, cta_hi), t_lo)
+  b = jnp.where(nonempty, _clamp(b, a, cta_hi), a)
+  t_hi = jnp.where(nonempty, _clamp(t_hi, b, cta_hi), b)
+  return t_lo, a, b, t_hi
+
+
+def _set_registers(num_compute_wgs: int, compute: bool) -> None:
+  # setmaxnreg: 64K registers shared by the compute warpgroups and the producer.
+  if num_compute_wgs == 2:
+    plgpu.set_max_registers(232 if compute else 40,
+                            action="increase" if compute else "decrease")
+
+
+def _drain_loop(lo, hi, slot_of, ready_barriers, consumed):
+  """Wait for tiles this warpgroup skips and release them: every waiter sees every phase."""
+  def body(step, carry):
+    slot = slot_of(step)
+    for barrier in ready_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+    plgpu.barrier_arrive(consumed.at[slot])
+    return carry
+  lax.fori_loop(lo, hi, body, None)
+
+
+# ---------------------------------------------------------------------------
+# The dq kernel.
+
+
+def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
+             interpret):
+  batch, _, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  dtype = q.dtype
+  wgs, stages = config.compute_wgs_dq, config.num_stages
+  bq, bk = config.block_q_dq, config.block_kv_dq
+  shift = mask.shift(q_len, kv_len)
+  staged = not common.uses_register_operands(interpret)
+  log2e_scale = scale * common.LOG2_E
+  num_q_tiles = pl.cdiv(q_len, wgs * bq)
+
+  def plan_of(q_lo):
+    q_hi = jnp.minimum(q_lo + bq, q_len)
+    k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kv_len)
+    f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kv_len)
+    return _tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+             q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
+             staging2, q_bars, do_bars, lse_bars, delta_bars,
+             k_bars, v_bars, consumed):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(group))
+    cta_q_lo = lax.axis_index("q_tiles") * (wgs * bq)
+    cta_lo, cta_hi = _union([plan_of(cta_q_lo + w * bq) for w in range(wgs)])
+    num_steps = cta_hi - cta_lo
+    slot_of = lambda t: lax.rem(t - cta_lo, jnp.int32(stages))
+
+    @pl.when(wg < wgs)
+    def _compute():
+      _set_registers(wgs, compute=True)
+      q_lo = cta_q_lo + wg * bq
+      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+      lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+      staging = staging2.at[wg] if staged else None
+      rows = (b, pl.ds(q_lo, bq), h)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bars.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_bars.at[wg])
+      vec = (b, h, pl.ds(q_lo, bq))
+      plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, lse_bars.at[wg])
+      plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
+      for bars in (q_bars, do_bars, lse_bars, delta_bars):
+        plgpu.barrier_wait(bars.at[wg])
+      row = plgpu.Layout.WGMMA.reduce(1)
+      lse2_row = plgpu.load(lse_smem, (), layout=row)
+      delta_row = plgpu.load(delta_smem, (), layout=row)
+      t_lo, a, b_full, t_hi = _own_sections(plan_of(q_lo), cta_lo, cta_hi)
+
+      def step(t, dq, masked: bool):
+        slot = slot_of(t)
+        k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
+        plgpu.barrier_wait(k_bars.at[slot])
+        s = common.matmul_smem(q_smem, k_smem.transpose((1, 0)), (bq, bk))
+        p = jnp.exp2(s * log2e_scale - lax.broadcast_in_dim(lse2_row, s.shape, [0]))
+        if masked:
+          q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
+                                                layout=plgpu.Layout.WGMMA)
+          k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
+                                                  layout=plgpu.Layout.WGMMA)
+          keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kv_len)
+          p = jnp.where(keep, p, 0.0)
+        plgpu.barrier_wait(v_bars.at[slot])
+        dp = common.matmul_smem(do_smem, v_smem.transpose((1, 0)), (bq, bk))
+        ds = p * (dp - lax.broadcast_in_dim(delta_row, dp.shape, [0]))
+        if masked:  # Select, so NaN/inf in masked V rows cannot leak.
+          ds = jnp.where(keep, ds, 0.0)
+        dq = common.accumulate_register_lhs(dq, ds.astype(dtype), k_smem,
+                                            staging=staging)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32),
+                             plgpu.Layout.WGMMA)
+      _drain_loop(cta_lo, t_lo, slot_of, (k_bars, v_bars), consumed)
+      dq = lax.fori_loop(t_lo, a, functools.partial(step, masked=True), dq)
+      dq = lax.fori_loop(a, b_full, functools.partial(step, masked=False), dq)
+      dq = lax.fori_loop(b_full, t_hi, functools.partial(step, masked=True), dq)
+      _drain_loop(t_hi, cta_hi, slot_of, (k_bars, v_bars), consumed)
+      q_smem[...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+      _set_registers(wgs, compute=False)
+
+      def load(t):
+        slot = slot_of(t)
+        keys = (b, pl.ds(t * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_bars.at[slot])
+
+      for i in range(stages):
+        pl.when(i < num_steps)(lambda i=i: load(cta_lo + i))
+
+      def refill(t, carry):
+        plgpu.barrier_wait(consumed.at[slot_of(t)])
+        load(t)
+        return carry
+      lax.fori_loop(cta_lo + stages, cta_hi, refill, None)
+      # Observe the last phases too (the interpreter checks it; free on GPU).
+      def drain(t, carry):
+        plgpu.barrier_wait(consumed.at[slot_of(t)])
+        return carry
+      lax.fori_loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi, drain, None)
+
+  swizzle = common.smem_swizzle_transforms(head_dim, dtype.itemsize)
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=swizzle)
+  staging = (plgpu.SMEM((wgs, bq, bk), dtype,
+                        transforms=common.smem_swizzle_transforms(bk, dtype.itemsize))
+             if staged else None)
+  scratch = [
+      tile(wgs, bq, head_dim), tile(wgs, bq, head_dim),
+      plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
+      tile(stages, bk, head_dim), tile(stages, bk, head_dim),
+      staging,
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+  ]
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=scratch,
+      grid=(num_heads, num_q_tiles, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params(interpret),
+  )(q, k, v, do, lse2, delta)
+
+
+# ---------------------------------------------------------------------------
+# The dk/dv kernel.
+
+
+def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
+              interpret, outputs: tuple[str, ...]):
+  """Returns dk and/or dv (``outputs`` names which) in the input dtype.
+
+  q_len, kv_len are the true lengths; the arrays may be longer (padded).
+  """
+  batch, _, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  dtype = q.dtype
+  wgs, stages = config.compute_wgs_dkv, config.num_stages
+  bq, bk = config.block_q_dkv, config.block_kv_dkv
+  shift = mask.shift(q_len, kv_len)
+  staged = not common.uses_register_operands(interpret)
+  log2e_scale = scale * common.LOG2_E
+  num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
+  want_dk, want_dv = "dk" in outputs, "dv" in outputs
+
+  def plan_of(k_lo):
+    k_hi = jnp.minimum(k_lo + bk, kv_len)
+    q_lo, q_hi = mask.query_range(k_lo, k_hi, shift, q_len)
+    f_lo, f_hi = mask.full_query_range(k_lo, k_hi, shift, q_len)
+    return _tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
+    (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
+     k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed) = rest
+    b = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    cta_k_lo = lax.axis_index("kv_tiles") * (wgs * bk)
+    cta_lo, cta_hi = _union([plan_of(cta_k_lo + w * bk) for w in range(wgs)])
+    tiles_per_head = cta_hi - cta_lo
+    # Step i walks query head (i // tiles_per_head) of the group, query tile
+    # cta_lo + i % tiles_per_head; all heads see the same tiles.
+    num_steps = group * tiles_per_head
+    slot_of = lambda i: lax.rem(i, jnp.int32(stages))
+
+    @pl.when(wg < wgs)
+    def _compute():
+      _set_registers(wgs, compute=True)
+      k_lo = cta_k_lo + wg * bk
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      staging = staging2.at[wg] if staged else None
+      keys = (b, pl.ds(k_lo, bk), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, k_bars.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, v_bars.at[wg])
+      plgpu.barrier_wait(k_bars.at[wg])
+      plgpu.barrier_wait(v_bars.at[wg])
+      t_lo, a, b_full, t_hi = _own_sections(plan_of(k_lo), cta_lo, cta_hi)
+      col = plgpu.Layout.WGMMA.reduce(0)
+      ready = (q_bars, do_bars, lse_bars, delta_bars)
+
+      def step(t, carry, head_base, masked: bool):
+        dk, dv = carry
+        slot = slot_of(head_base + t - cta_lo)
+        q_smem, do_smem = q_ring.at[slot], do_ring.at[slot]
+        plgpu.barrier_wait(q_bars.at[slot])
+        plgpu.barrier_wait(lse_bars.at[slot])
+        sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), (bk, bq))
+        lse2_col = plgpu.load(lse_ring.at[slot], (), layout=col)
+        pT = jnp.exp2(sT * log2e_scale - lax.broadcast_in_dim(lse2_col, sT.shape, [1]))
+        if masked:
+          k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, sT.shape, 0,
+                                                layout=plgpu.Layout.WGMMA)
+          q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, sT.shape, 1,
+                                                  layout=plgpu.Layout.WGMMA)
+          keep = (mask.visible(q_ids, k_ids, shift) & (q_ids < q_len)
+                  & (k_ids < kv_len))
+          pT = jnp.where(keep, pT, 0.0)
+        plgpu.barrier_wait(do_bars.at[slot])
+        plgpu.barrier_wait(delta_bars.at[slot])
+        if want_dv:
+          dv = common.accumulate_register_lhs(dv, pT.astype(dtype), do_smem,
+                                              staging=staging)
+        if want_dk:
+          dpT = common.matmul_smem(v_smem, do_smem.transpose((1, 0)), (bk, bq))
+          delta_col = plgpu.load(delta_ring.at[slot], (), layout=col)
+          dsT = pT * (dpT - lax.broadcast_in_dim(delta_col, dpT.shape, [1]))
+          if masked:  # Select, so NaN/inf in masked rows cannot leak.
+            dsT = jnp.where(keep, dsT, 0.0)
+          dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
+                                              staging=staging)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk, dv
+
+      def head(g, carry):
+        base = g * tiles_per_head
+        slot_in_head = lambda t: slot_of(base + t - cta_lo)
+        _drain_loop(cta_lo, t_lo, slot_in_head, ready, consumed)
+        carry = lax.fori_loop(t_lo, a, functools.partial(
+            step, head_base=base, masked=True), carry)
+        carry = lax.fori_loop(a, b_full, functools.partial(
+            step, head_base=base, masked=False), carry)
+        carry = lax.fori_loop(b_full, t_hi, functools.partial(
+            step, head_base=base, masked=True), carry)
+        _drain_loop(t_hi, cta_hi, slot_in_head, ready, consumed)
+        return carry
+
+      zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, head_dim), jnp.float32),
+                                        plgpu.Layout.WGMMA)
+      dk = zeros() if want_dk else None
+      dv = zeros() if want_dv else None
+      dk, dv = lax.fori_loop(0, group, head, (dk, dv))
+      # K and V are no longer read: reuse their tiles to stage the results.
+      results = {"dk": (k_smem, None if dk is None else dk * scale),
+                 "dv": (v_smem, dv)}
+      for name in outputs:
+        smem, value = results[name]
+        smem[...] = value.astype(dtype)
+      plgpu.commit_smem()
+      for name, out_ref in zip(outputs, out_refs):
+        plgpu.copy_smem_to_gmem(results[name][0], out_ref.at[keys])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+      _set_registers(wgs, compute=False)
+
+      def load(i):
+        slot = slot_of(i)
+        g = lax.div(i, jnp.maximum(tiles_per_head, 1))
+        t = cta_lo + i - g * tiles_per_head
+        h = kv_head * group + g
+        rows = (b, pl.ds(t * bq, bq), h)
+        vec = (b, h, pl.ds(t * bq, bq))
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_ring.at[slot], q_bars.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_ring.at[slot], lse_bars.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_ring.at[slot], do_bars.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_ring.at[slot],
+                                delta_bars.at[slot])
+
+      for i in range(stages):
+        pl.when(i < num_steps)(lambda i=i: load(jnp.int32(i)))
+
+      def refill(i, carry):
+        plgpu.barrier_wait(consumed.at[slot_of(i)])
+        load(i)
+        return carry
+      lax.fori_loop(jnp.int32(stages), num_steps, refill, None)
+
+      def drain(i, carry):
+        plgpu.barrier_wait(consumed.at[slot_of(i)])
+        return carry
+      lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+
+  swizzle = common.smem_swizzle_transforms(head_dim, dtype.itemsize)
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=swizzle)
+  staging = (plgpu.SMEM((wgs, bk, bq), dtype,
+                        transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
+             if staged else None)
+  scratch = [
+      tile(wgs, bk, head_dim), tile(wgs, bk, head_dim),
+      tile(stages, bq, head_dim), tile(stages, bq, head_dim),
+      plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
+      staging,
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+  ]
+  out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in outputs]
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(num_kv_heads, num_kv_tiles, batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params(interpret),
+  )(q, k, v, do, lse2, delta)
+
+
+# ---------------------------------------------------------------------------
+# Entry point.
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def backward_residuals(o, lse, do, pad_to: int):
+  """lse * log2(e) (+inf where lse = -inf) and delta = rowsum(o * do), float32.
+
+  Both (B, N, Tq padded to a multiple of ``pad_to``); padded rows get lse +inf
+  (p = 0) and delta 0. The padding is of these small vectors only.
+  """
+  q_len = o.shape[1]
+  delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
+                     do.astype(jnp.float32))
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * common.LOG2_E)
+  pad = _round_up(q_len, pad_to) - q_len
+  if pad:
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
+    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
+  return lse2, delta
+
+
+def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
+                       config: BackwardConfig | None = None,
+                       interpret: bool | plgpu.InterpretGPUParams = False):
+  """Gradients of softmax attention (FlashAttention-3 backward, Section 3).
+
+  Args:
+    q, o, do: (B, Tq, N, D) float16 or bfloat16.
+    k, v: (B, Tk, K, D), same dtype; N % K == 0 (GQA/MQA).
+    lse: (B, N, Tq) float32, NATURAL log of the softmax denominator of the
+      scaled logits; -inf for rows that see no key.
+    scale: the softmax scale applied to q.k.
+    mask: the static MaskSpec (causal, alignment, window).
+    config: tile sizes; None picks ``BackwardConfig.heuristic``.
+    interpret: False for the GPU, True or ``plgpu.InterpretGPUParams`` to run
+      in GPU interpret mode on the CPU.
+
+  Returns:
+    dq (B, Tq, N, D), dk, dv (B, Tk, K, D) in the input dtype. Deterministic:
+    no atomics, a fixed accumulation order.
+
+  Raises:
+    ValueError: unsupported shapes or dtypes (see ``unsupported_reason``) or a
+      config that does not fit shared memory.
+  """
+  if (reason := unsupported_reason(q.shape, k.shape, q.dtype, mask)) is not None:
+    raise ValueError(f"attention_backward: {reason}")
+  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match "
+                     f"each other and q's dtype {q.dtype}")
+  if o.shape != q.shape or do.shape != q.shape:
+    raise ValueError(f"o {o.shape} and do {do.shape} must have q's shape {q.shape}")
+  b, q_len, n, head_dim = q.shape
+  if lse.shape != (b, n, q_len):
+    raise ValueError(f"lse has shape {lse.shape}; expected {(b, n, q_len)}")
+  if config is None:
+    config = BackwardConfig.heuristic(head_dim, q_len, k.shape[1], mask)
+  config.check_fits(head_dim, q.dtype.itemsize,
+                    interpret=common.is_interpret(interpret))
+  do = do.astype(q.dtype)
+  kv_len = k.shape[1]
+  # Mosaic's tiled TMA views a sequence axis in rows of 8, so a length that is
+  # not a multiple of 8 is zero-padded up to one (a copy of q, do or k, v
+  # only then; the masks use the true lengths and the results are sliced).
+  q8, kv8 = _round_up(q_len, 8), _round_up(kv_len, 8)
+  if q8 != q_len:
+    pad = ((0, 0), (0, q8 - q_len), (0, 0), (0, 0))
+    q, do, o = jnp.pad(q, pad), jnp.pad(do, pad), jnp.pad(o, pad)
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, q8 - q_len)), constant_values=-jnp.inf)
+  if kv8 != kv_len:
+    pad = ((0, 0), (0, kv8 - kv_len), (0, 0), (0, 0))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
+  lse2, delta = backward_residuals(o, lse, do, pad_to)
+  scale = float(scale)
+  kwargs = dict(q_len=q_len, kv_len=kv_len, scale=scale, mask=mask,
+                config=config, interpret=interpret)
+  dq = _dq_call(q, k, v, do, lse2, delta, **kwargs)
+  if config.split_dkv:
+    (dk,) = _dkv_call(q, k, v, do, lse2, delta, outputs=("dk",), **kwargs)
+    (dv,) = _dkv_call(q, k, v, do, lse2, delta, outputs=("dv",), **kwargs)
+  else:
+    dk, dv = _dkv_call(q, k, v, do, lse2, delta, outputs=("dk", "dv"), **kwargs)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
