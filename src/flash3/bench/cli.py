@@ -1,0 +1,221 @@
+"""The command line of ``flash3-bench`` (also ``python -m flash3.bench``).
+
+Exit status: 0 after a run (whatever the rows say), 1 without a Hopper GPU,
+2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from flash3.bench import cases as cases_lib
+from flash3.bench.cases import DTYPES, MODES, Case
+
+QUICK_ITERATIONS = 5
+
+
+def _csv(choices: tuple[str, ...] | None = None):
+  def parse(text: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items:
+      raise argparse.ArgumentTypeError("expected a comma-separated list")
+    if choices is not None:
+      bad = [x for x in items if x not in choices]
+      if bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad)} not in {', '.join(choices)}")
+    return items
+  return parse
+
+
+def _window(text: str) -> tuple[int, int]:
+  try:
+    left, right = (int(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"--window {text!r}: expected LEFT,RIGHT (two ints)") from None
+  if left < 0 or right < 0:
+    raise argparse.ArgumentTypeError(f"--window {text!r}: must be >= 0")
+  return left, right
+
+
+SHAPE_KEYS = ("B", "T", "Tq", "Tk", "N", "K", "D")
+
+
+def parse_shape(text: str) -> dict[str, int]:
+  """"B=2,T=4096,N=32,K=8,D=128" -> sizes. T sets Tq and Tk; K defaults to N.
+
+  Raises:
+    argparse.ArgumentTypeError: for unknown keys, non-integers or missing
+      B, N, D or lengths.
+  """
+  sizes = {}
+  for item in text.split(","):
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or key not in SHAPE_KEYS:
+      raise argparse.ArgumentTypeError(
+          f"--shape item {item!r}: expected KEY=INT with KEY in "
+          f"{', '.join(SHAPE_KEYS)}")
+    try:
+      sizes[key] = int(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"--shape item {item!r}: {value!r} is not an int") from None
+  if "T" in sizes:
+    sizes.setdefault("Tq", sizes["T"])
+    sizes.setdefault("Tk", sizes["T"])
+  missing = [k for k in ("B", "Tq", "Tk", "N", "D") if k not in sizes]
+  if missing:
+    raise argparse.ArgumentTypeError(
+        f"--shape {text!r} lacks {', '.join(missing)}")
+  sizes.setdefault("K", sizes["N"])
+  return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="flash3-bench",
+      description="Benchmark flash3 against cuDNN, XLA, jax's FA3 and "
+                  "tokamax on a Hopper GPU: table, CSV/JSON and PNG plots.")
+  p.add_argument("--suite", default="fa3",
+                 choices=sorted(cases_lib.SUITES) + ["all"],
+                 help="which shapes (default fa3; all = fa3 gqa long masks)")
+  p.add_argument("--quick", action="store_true",
+                 help="a few shapes, 5 iterations, no block-size search: "
+                      "under two minutes")
+  p.add_argument("--shape", type=parse_shape, default=None,
+                 help='one shape instead of a suite, e.g. '
+                      '"B=2,T=4096,N=32,K=8,D=128" (Tq=, Tk= for unequal)')
+  p.add_argument("--causal", action="store_true", help="with --shape")
+  p.add_argument("--window", type=_window, default=None,
+                 help="with --shape: local window LEFT,RIGHT (inclusive)")
+  p.add_argument("--docs", type=int, default=None,
+                 help="with --shape: packed documents of equal length per row")
+  p.add_argument("--dtypes", type=_csv(DTYPES), default=None,
+                 help="comma-separated subset of float16,bfloat16 "
+                      "(default: the suite's)")
+  p.add_argument("--impls", type=_csv(), default=None,
+                 help="comma-separated contenders (default all): flash3, "
+                      "cudnn, xla, jax-mgpu, tokamax")
+  p.add_argument("--modes", type=_csv(MODES), default=MODES,
+                 help="fwd and/or fwd+bwd (bwd is derived from both)")
+  p.add_argument("--iterations", type=int, default=None,
+                 help="timed runs per measurement (default 10, quick 5)")
+  p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+  p.add_argument("--no-tune", action="store_true",
+                 help="one block size per contender instead of the best")
+  p.add_argument("--out", default="bench-results",
+                 help="directory for results.json, results.csv, table.txt "
+                      "and plots/ (default ./bench-results)")
+  p.add_argument("--no-plots", action="store_true")
+  p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--list", action="store_true",
+                 help="print the cases and exit (no GPU needed)")
+  p.add_argument("--replot", metavar="RESULTS_JSON", default=None,
+                 help="re-make table and plots from a results.json into "
+                      "--out (no GPU needed)")
+  return p
+
+
+def select_cases(args: argparse.Namespace) -> list[Case]:
+  """The cases the arguments ask for. Raises ValueError for bad shapes."""
+  if args.shape is not None:
+    s = args.shape
+    return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"], s["D"],
+                 dtype, causal=args.causal, window=args.window,
+                 num_docs=args.docs)
+            for dtype in (args.dtypes or ("bfloat16",))]
+  if args.causal or args.window is not None or args.docs is not None:
+    raise ValueError("--causal, --window and --docs go with --shape")
+  suite = "quick" if args.quick else args.suite
+  return cases_lib.suite_cases(suite, args.dtypes)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  args = build_parser().parse_args(argv)
+  if args.iterations is None:
+    args.iterations = QUICK_ITERATIONS if args.quick else 10
+  if args.iterations < 1 or args.warmup < 0:
+    build_parser().error("--iterations must be >= 1 and --warmup >= 0")
+  if args.quick:
+    args.no_tune = True
+  return args
+
+
+def hopper_problem() -> str | None:
+  """None on a Hopper GPU, else why not (never raises)."""
+  try:
+    from flash3._device import why_not_hopper
+    return why_not_hopper()
+  except Exception as e:  # A broken CUDA plugin must not print a traceback.
+    return f"no usable accelerator ({type(e).__name__}: {e})"
+
+
+def _progress(disabled: bool):
+  if disabled:
+    return None
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:
+    return None
+  return lambda items: tqdm(items, desc="flash3-bench", unit="case")
+
+
+def _emit(results, env, out_dir, plots: bool) -> None:
+  from flash3.bench import report
+  results = sorted(results, key=report.sort_key)
+  os.makedirs(out_dir, exist_ok=True)
+  text = report.table(results)
+  print(text)
+  with open(os.path.join(out_dir, "table.txt"), "w") as f:
+    f.write(text + "\n")
+  report.write_csv(os.path.join(out_dir, "results.csv"), results, env)
+  report.write_json(os.path.join(out_dir, "results.json"), results, env)
+  written = ["results.json", "results.csv", "table.txt"]
+  if plots:
+    from flash3.bench import plots as plots_lib
+    paths = plots_lib.plot(results, os.path.join(out_dir, "plots"), env)
+    written += [os.path.relpath(p, out_dir) for p in paths]
+  print(f"\nwrote {', '.join(written)} in {out_dir}")
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse(argv)
+  try:
+    selected = select_cases(args)
+  except ValueError as e:
+    print(f"flash3-bench: {e}", file=sys.stderr)
+    return 2
+  if args.list:
+    for case in selected:
+      print(f"{case.suite:6s} {case.label()}")
+    print(f"{len(selected)} cases x {len(args.modes)} modes")
+    return 0
+  if args.replot:
+    from flash3.bench import report
+    env, results = report.read_json(args.replot)
+    _emit(results, env, args.out, not args.no_plots)
+    return 0
+  from flash3.bench import implementations
+  try:
+    impls = implementations.select(
+        list(args.impls) if args.impls is not None else None)
+  except ValueError as e:
+    print(f"flash3-bench: {e}", file=sys.stderr)
+    return 2
+  problem = hopper_problem()
+  if problem is not None:
+    print(f"flash3-bench: cannot run: {problem}; it needs an H100 or H200",
+          file=sys.stderr)
+    return 1
+  from flash3.bench import report, runner
+  env = report.environment(argv)
+  options = runner.Options(iterations=args.iterations, warmup=args.warmup,
+                           tune=not args.no_tune, modes=tuple(args.modes))
+  results = runner.run(selected, impls, options,
+                       progress=_progress(args.no_progress))
+  _emit(results, env, args.out, not args.no_plots)
+  return 0

@@ -1,0 +1,218 @@
+"""The contenders, each built for one case or refused with a reason.
+
+* ``flash3``: ``flash3.dot_product_attention(implementation="mosaic")``.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``.
+* ``xla``: ``jax.nn.dot_product_attention(implementation="xla")``, only where
+  its float32 logits fit in memory.
+* ``jax-mgpu``: the FlashAttention-3 kernel shipped in jax 0.11.2,
+  ``jax.experimental.pallas.ops.gpu.attention_mgpu``: float16 only, no causal
+  backward, lengths multiples of its blocks, no softmax scale (it is fed
+  ``q * scale``), best of a few block sizes.
+* ``tokamax``: ``tokamax.dot_product_attention(implementation="mosaic")`` when
+  ``import tokamax`` works.
+
+Packed documents go to the contenders without segment ids as a dense boolean
+mask (B, 1, T, T) built outside the timed function.
+
+A contender says what it cannot do by raising ``Unsupported``; anything it
+raises later (while tracing, compiling or running) is caught by the runner and
+reported the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+class Unsupported(Exception):
+  """This contender cannot run this case; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One way to run a contender on a case (e.g. one block size).
+
+  Attributes:
+    label: what distinguishes it ("" when there is one way).
+    fn: ``fn(q, k, v, *aux) -> o``, BTNH, traceable and differentiable in
+      q, k, v.
+    aux: extra array arguments (segment ids or a dense mask).
+    q_scale: the contender is fed ``q * q_scale`` (1.0 = plain q).
+  """
+
+  label: str
+  fn: Callable[..., Any]
+  aux: tuple = ()
+  q_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  name: str
+  description: str
+  unavailable: Callable[[], str | None]
+  variants: Callable[..., list[Variant]]  # (case, tune: bool) -> variants
+
+
+def _dense_mask(case):
+  seg = jnp.asarray(case.segment_ids())
+  return seg[:, None, :, None] == seg[:, None, None, :]
+
+
+# ----- flash3 -----------------------------------------------------------------
+
+def _flash3_unavailable():
+  import flash3
+  if not hasattr(flash3, "dot_product_attention"):
+    return "flash3.dot_product_attention is not in this checkout yet"
+  return None
+
+
+def _flash3_variants(case, tune):
+  del tune
+  import flash3
+  f = functools.partial(flash3.dot_product_attention, is_causal=case.causal,
+                        local_window_size=case.window, implementation="mosaic")
+  if case.num_docs is None:
+    return [Variant("", f)]
+
+  def with_segments(q, k, v, seg):
+    return f(q, k, v, query_segment_ids=seg, key_value_segment_ids=seg)
+
+  return [Variant("", with_segments, (jnp.asarray(case.segment_ids()),))]
+
+
+# ----- jax.nn: cuDNN and XLA --------------------------------------------------
+
+def _jax_nn_variants(case, implementation):
+  f = functools.partial(jax.nn.dot_product_attention, is_causal=case.causal,
+                        local_window_size=case.window,
+                        implementation=implementation)
+  if case.num_docs is None:
+    return [Variant("", f)]
+  return [Variant("dense mask", lambda q, k, v, mask: f(q, k, v, mask=mask),
+                  (_dense_mask(case),))]
+
+
+def _cudnn_variants(case, tune):
+  del tune
+  return _jax_nn_variants(case, "cudnn")
+
+
+def device_memory_bytes() -> int:
+  """The first device's memory limit; 80 GB when it does not say."""
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # Some backends do not implement memory_stats.
+    stats = {}
+  return int(stats.get("bytes_limit", 80 * 2**30))
+
+
+def xla_bytes(case) -> int:
+  """A rough peak of jax.nn's XLA path: a few float32 (B, N, Tq, Tk) arrays
+  (logits, probabilities and their gradients in the backward)."""
+  return 4 * 4 * case.batch * case.num_heads * case.q_len * case.kv_len
+
+
+def _xla_variants(case, tune):
+  del tune
+  need, have = xla_bytes(case), device_memory_bytes()
+  if need > 0.8 * have:
+    raise Unsupported(f"needs about {need / 2**30:.0f} GiB for its dense "
+                      f"logits, more than 80% of {have / 2**30:.0f} GiB")
+  return _jax_nn_variants(case, "xla")
+
+
+# ----- jax's FA3 in Mosaic GPU (attention_mgpu) -------------------------------
+
+def _mgpu_unavailable():
+  try:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: F401
+  except Exception as e:  # ImportError, or a missing GPU dependency.
+    return f"cannot import attention_mgpu: {e}"
+  return None
+
+
+MGPU_BLOCK_KV = (128, 64, 256)  # Forward candidates; the first when untuned.
+
+
+def _mgpu_variants(case, tune):
+  if case.dtype != "float16":
+    raise Unsupported("float16 only (its shared-memory scratch is float16)")
+  if case.window is not None or case.num_docs is not None:
+    raise Unsupported("no windows or segment ids")
+  if case.causal and case.q_len != case.kv_len:
+    raise Unsupported("causal needs Tq == Tk")
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+  variants = []
+  for block_kv in (MGPU_BLOCK_KV if tune else MGPU_BLOCK_KV[:1]):
+    config = mgpu.TuningConfig(
+        block_q=64, block_kv=block_kv, max_concurrent_steps=2,
+        causal=case.causal, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+        block_kv_dq=64)
+
+    # Its causal backward raises NotImplementedError by itself when traced.
+    def fn(q, k, v, config=config):
+      return mgpu.attention(q, k, v, config)
+
+    variants.append(Variant(f"block_q=64 block_kv={block_kv}", fn,
+                            q_scale=case.scale))
+  return variants
+
+
+# ----- tokamax ----------------------------------------------------------------
+
+def _tokamax_unavailable():
+  try:
+    import tokamax  # noqa: F401
+  except Exception as e:
+    return f"import tokamax failed: {type(e).__name__}: {e}"
+  return None
+
+
+def _tokamax_variants(case, tune):
+  del tune
+  import tokamax
+  f = functools.partial(tokamax.dot_product_attention, is_causal=case.causal,
+                        local_window_size=case.window, implementation="mosaic")
+  if case.num_docs is None:
+    return [Variant("", f)]
+  return [Variant("dense mask", lambda q, k, v, mask: f(q, k, v, mask=mask),
+                  (_dense_mask(case),))]
+
+
+IMPLEMENTATIONS = {
+    impl.name: impl for impl in (
+        Implementation("flash3", "flash3 Mosaic GPU kernels",
+                       _flash3_unavailable, _flash3_variants),
+        Implementation("cudnn", "jax.nn.dot_product_attention, cuDNN",
+                       lambda: None, _cudnn_variants),
+        Implementation("xla", "jax.nn.dot_product_attention, XLA",
+                       lambda: None, _xla_variants),
+        Implementation("jax-mgpu", "jax's FA3 (pallas ops gpu attention_mgpu)",
+                       _mgpu_unavailable, _mgpu_variants),
+        Implementation("tokamax", "tokamax Mosaic GPU attention",
+                       _tokamax_unavailable, _tokamax_variants),
+    )
+}
+BASELINE = "cudnn"  # Ratios in the table are to this one.
+
+
+def select(names: list[str] | None) -> list[Implementation]:
+  """The implementations named (all when None), in the registry's order.
+
+  Raises:
+    ValueError: for a name not in the registry.
+  """
+  if names is None:
+    return list(IMPLEMENTATIONS.values())
+  unknown = [n for n in names if n not in IMPLEMENTATIONS]
+  if unknown:
+    raise ValueError(f"unknown implementation(s) {unknown}; choose from "
+                     f"{list(IMPLEMENTATIONS)}")
+  return [IMPLEMENTATIONS[n] for n in IMPLEMENTATIONS if n in names]

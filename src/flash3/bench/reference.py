@@ -1,0 +1,231 @@
+"""The correctness gate: every contender is checked before it is timed.
+
+FlashAttention-3's rule (its tests, and the project's): against a float32
+reference, an implementation's error may be at most ``FACTOR`` times the error
+of the same math done in the input dtype, plus a small ``atol``. NaN never
+passes. Forward checks the output o; forward+backward checks dq, dk and dv for
+a random cotangent do.
+
+To keep the reference cheap on big shapes it is computed on two slices only:
+batch row 0 with key-value head 0 and its query heads, and the last batch row
+with the last key-value head. Attention of one (batch row, key-value head
+group) depends on nothing else, gradients included, so the slices are exact.
+Queries are processed in chunks under ``jax.checkpoint`` so memory stays
+O(chunk * Tk), and T = 131072 fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flash3.visibility import MaskSpec
+
+FACTOR = 3.0
+# Scores of a chunk held at once, bytes, float32 (B, N, chunk, Tk).
+CHUNK_BYTES = 1 << 30
+
+
+def _attend_chunk(q, k, v, q_pos, q_seg, kv_seg, *, spec, scale, q_len,
+                  kv_len, dtype):
+  """Attention of one query chunk against all keys; rows seeing no key -> 0.
+
+  q: (B, C, N, D); k, v: (B, Tk, K, D); q_pos: (C,) absolute query positions;
+  q_seg: (B, C) or None; kv_seg: (B, Tk) or None. Scores and probabilities are
+  rounded to ``dtype`` (the "same math in the input dtype" when it is 16-bit),
+  matmuls accumulate in float32.
+  """
+  b, c, n, d = q.shape
+  kv_heads = k.shape[2]
+  g = n // kv_heads
+  q = q.reshape(b, c, kv_heads, g, d).astype(dtype)
+  s = jnp.einsum("bqhgd,bthd->bhgqt", q, k.astype(dtype),
+                 preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST)
+  s = (s * scale).astype(dtype).astype(jnp.float32)
+  k_pos = jnp.arange(kv_len, dtype=jnp.int32)
+  keep = spec.visible(q_pos[:, None], k_pos[None, :], spec.shift(q_len, kv_len))
+  keep = keep & (q_pos[:, None] < q_len)  # The last chunk's padding rows.
+  keep = keep[None]
+  if q_seg is not None:
+    keep = keep & (q_seg[:, :, None] == kv_seg[:, None, :])
+  keep = keep[:, None, None]  # (B or 1, 1, 1, C, Tk)
+  s = jnp.where(keep, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = (p / jnp.where(l == 0, 1.0, l)).astype(dtype)
+  o = jnp.einsum("bhgqt,bthd->bqhgd", p, v.astype(dtype),
+                 preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST)
+  return o.reshape(b, c, n, d).astype(dtype).astype(jnp.float32)
+
+
+def chunk_len(batch: int, num_heads: int, q_len: int, kv_len: int,
+              budget: int = CHUNK_BYTES) -> int:
+  """Query rows per chunk so float32 scores (B, N, chunk, Tk) fit ``budget``."""
+  rows = budget // max(1, 4 * batch * num_heads * kv_len)
+  return int(max(16, min(q_len, rows)))
+
+
+def attention(q, k, v, q_seg=None, kv_seg=None, *, spec: MaskSpec,
+              scale: float, dtype=jnp.float32):
+  """Chunked reference attention, BTNH layout, float32 result.
+
+  q: (B, Tq, N, D); k, v: (B, Tk, K, D); segment ids (B, Tq), (B, Tk) or None.
+  Differentiable (each chunk is rematerialised in the backward).
+  """
+  b, q_len, n, d = q.shape
+  kv_len = k.shape[1]
+  c = chunk_len(b, n, q_len, kv_len)
+  num_chunks = math.ceil(q_len / c)
+  pad = num_chunks * c - q_len
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  qp = qp.reshape(b, num_chunks, c, n, d).swapaxes(0, 1)
+  pos = jnp.arange(num_chunks * c, dtype=jnp.int32).reshape(num_chunks, c)
+  if q_seg is not None:
+    segp = jnp.pad(q_seg, ((0, 0), (0, pad)), constant_values=-1)
+    segp = segp.reshape(b, num_chunks, c).swapaxes(0, 1)
+  else:
+    segp = jnp.zeros((num_chunks, 0), jnp.int32)  # A placeholder to map over.
+  body = functools.partial(_attend_chunk, spec=spec, scale=scale,
+                           q_len=q_len, kv_len=kv_len, dtype=dtype)
+
+  @jax.checkpoint
+  def one(args):
+    q_chunk, q_pos, seg = args
+    return body(q_chunk, k, v, q_pos, seg if q_seg is not None else None,
+                kv_seg)
+
+  o = jax.lax.map(one, (qp, pos, segp))  # (chunks, B, C, N, D)
+  o = o.swapaxes(0, 1).reshape(b, num_chunks * c, n, d)
+  return o[:, :q_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """Batch row ``b`` and key-value head ``h`` (with its query heads)."""
+
+  b: int
+  h: int
+
+  def q_heads(self, group: int) -> slice:
+    return slice(self.h * group, (self.h + 1) * group)
+
+  def of_q(self, x, group: int):
+    """x of query shape (B, T, N, ...): this slice's rows and query heads."""
+    return x[self.b:self.b + 1, :, self.q_heads(group)]
+
+  def of_kv(self, x):
+    return x[self.b:self.b + 1, :, self.h:self.h + 1]
+
+
+def slices(case) -> list[Slice]:
+  first = Slice(0, 0)
+  last = Slice(case.batch - 1, case.num_kv_heads - 1)
+  return [first] if last == first else [first, last]
+
+
+@dataclasses.dataclass
+class Expected:
+  """Reference results on the check slices, float32, and their tolerances.
+
+  ``values[name]`` is a list (one per slice) of float32 arrays; ``tol[name]``
+  the allowed max abs error: FACTOR x (input-dtype math's error) + atol.
+  """
+
+  names: tuple[str, ...]
+  values: dict
+  tol: dict
+
+
+def _max_abs(a, b) -> float:
+  return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def _atol(dtype, ref_max: float) -> float:
+  # A few roundings of the largest value: the floor for tiny errors.
+  return 2.0 * float(jnp.finfo(dtype).eps) * max(ref_max, 1e-6)
+
+
+def expected(case, mode: str, q, k, v, do, segment_ids) -> Expected:
+  """Reference values and tolerances for ``case`` in ``mode`` on its slices."""
+  group = case.num_heads // case.num_kv_heads
+  dtype = jnp.dtype(case.dtype)
+  names = ("o",) if mode == "fwd" else ("dq", "dk", "dv")
+  values = {name: [] for name in names}
+  errs = {name: 0.0 for name in names}
+  maxes = {name: 0.0 for name in names}
+  for sl in slices(case):
+    args = (sl.of_q(q, group), sl.of_kv(k), sl.of_kv(v))
+    seg = None if segment_ids is None else segment_ids[sl.b:sl.b + 1]
+    outs = {}
+    for compute in (jnp.float32, dtype):
+      outs[compute] = _reference(mode, args, sl.of_q(do, group), seg, seg,
+                                 spec=case.mask_spec, scale=case.scale,
+                                 dtype=compute)
+    for name, ref, low in zip(names, outs[jnp.float32], outs[dtype]):
+      values[name].append(ref)
+      errs[name] = max(errs[name], _max_abs(low, ref))
+      maxes[name] = max(maxes[name], float(jnp.max(jnp.abs(ref))))
+  tol = {name: FACTOR * errs[name] + _atol(dtype, maxes[name])
+         for name in names}
+  return Expected(names, values, tol)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "spec", "scale", "dtype"))
+def _reference(mode, args, do, q_seg, kv_seg, *, spec, scale, dtype):
+  f = functools.partial(attention, q_seg=q_seg, kv_seg=kv_seg, spec=spec,
+                        scale=scale, dtype=dtype)
+  if mode == "fwd":
+    return (f(*args),)
+  _, vjp = jax.vjp(lambda q, k, v: f(q, k, v).astype(do.dtype), *args)
+  return tuple(x.astype(jnp.float32) for x in vjp(do))
+
+
+def check(case, exp: Expected, outputs: tuple, q_grad_scale: float = 1.0
+          ) -> tuple[bool, float, str]:
+  """Compare an implementation's outputs to ``exp``.
+
+  Args:
+    outputs: (o,) for "fwd", (dq, dk, dv) for "fwd+bwd", full shapes.
+    q_grad_scale: multiplies dq first (for contenders fed a pre-scaled q).
+
+  Returns:
+    (passed, worst error / tolerance ratio, a short description).
+  """
+  group = case.num_heads // case.num_kv_heads
+  worst, detail = 0.0, ""
+  for name, out in zip(exp.names, outputs):
+    if name == "dq" and q_grad_scale != 1.0:
+      out = out.astype(jnp.float32) * q_grad_scale
+    for sl, ref in zip(slices(case), exp.values[name]):
+      got = sl.of_kv(out) if name in ("dk", "dv") else sl.of_q(out, group)
+      got = got.astype(jnp.float32)
+      if not bool(jnp.all(jnp.isfinite(got))):
+        return False, math.inf, f"{name} has NaN or Inf"
+      err = _max_abs(got, ref)
+      ratio = err / exp.tol[name] if exp.tol[name] > 0 else math.inf
+      if ratio >= worst:
+        worst = ratio
+        detail = f"{name} max error {err:.3g} (allowed {exp.tol[name]:.3g})"
+  return worst <= 1.0, worst, detail
+
+
+def random_inputs(case, seed: int = 0):
+  """q, k, v, do (standard normal, in the case's dtype) and segment ids."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  dtype = jnp.dtype(case.dtype)
+  q_shape = (case.batch, case.q_len, case.num_heads, case.head_dim)
+  kv_shape = (case.batch, case.kv_len, case.num_kv_heads, case.head_dim)
+  q = jax.random.normal(keys[0], q_shape, dtype)
+  k = jax.random.normal(keys[1], kv_shape, dtype)
+  v = jax.random.normal(keys[2], kv_shape, dtype)
+  do = jax.random.normal(keys[3], q_shape, dtype)
+  seg = case.segment_ids()
+  return q, k, v, do, (None if seg is None else jnp.asarray(seg))

@@ -1,0 +1,145 @@
+"""The terminal table, the CSV and JSON files, and where the numbers came from.
+
+Every file carries the environment: GPU name, driver, CUDA runtime, jax and
+jaxlib, cuDNN, flash3 and its git commit, the date (UTC) and the command.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+from typing import Iterable
+
+from flash3.bench.results import FIELDS, Result
+
+ENV_FIELDS = ("gpu", "driver", "cuda_runtime", "jax", "jaxlib", "cudnn",
+              "flash3", "git_commit", "date")
+
+
+def _run(cmd: list[str]) -> str | None:
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=10,
+                         check=True).stdout.strip()
+  except Exception:  # Tool missing or failing: the field says "unknown".
+    return None
+  return out.splitlines()[0].strip() if out else None
+
+
+def _version_int(v: int | None, scale: tuple[int, ...]) -> str | None:
+  """90300 -> "9.3.0" (cuDNN's and CUDA's integer versions)."""
+  if not v:
+    return None
+  parts = []
+  for s in scale:
+    parts.append(str(v // s))
+    v %= s
+  return ".".join(parts)
+
+
+def environment(argv: list[str] | None = None) -> dict:
+  """What the results were produced on, as a flat dict of strings."""
+  import jax
+  import jaxlib
+
+  import flash3
+  env = {name: "unknown" for name in ENV_FIELDS}
+  devices = jax.devices()
+  env["gpu"] = devices[0].device_kind if devices else "none"
+  env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version",
+                        "--format=csv,noheader"]) or "unknown"
+  try:
+    from jax._src.lib import cuda_versions
+    if cuda_versions is not None:
+      env["cudnn"] = _version_int(cuda_versions.cudnn_get_version(),
+                                  (10000, 100, 1)) or "unknown"
+      env["cuda_runtime"] = _version_int(
+          cuda_versions.cuda_runtime_get_version(), (1000, 10)) or "unknown"
+  except Exception:  # No CUDA plugin: leave "unknown".
+    pass
+  env["jax"] = jax.__version__
+  env["jaxlib"] = jaxlib.__version__
+  env["flash3"] = flash3.__version__
+  here = os.path.dirname(os.path.abspath(__file__))
+  commit = _run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"])
+  if commit:
+    dirty = _run(["git", "-C", here, "status", "--porcelain", "--", "."])
+    env["git_commit"] = commit + ("+dirty" if dirty else "")
+  env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+  env["command"] = " ".join(["flash3-bench"] + list(
+      sys.argv[1:] if argv is None else argv))
+  return env
+
+
+def _fmt(x: float | None, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def table(results: Iterable[Result], baseline: str = "cudnn") -> str:
+  """A fixed-width text table, one line per (case, mode, contender).
+
+  Columns: TFLOP/s (median), ms (median), spread ((max - min) / median),
+  ratio of TFLOP/s to the baseline, and the status or reason.
+  """
+  header = ["suite", "dtype", "B", "Tq", "Tk", "N", "K", "D", "mask", "mode",
+            "impl", "TFLOP/s", "ms", "spread", f"vs {baseline}", "note"]
+  rows = []
+  for r in results:
+    if r.status == "ok":
+      spread = (None if r.min_ms is None or not r.median_ms
+                else (r.max_ms - r.min_ms) / r.median_ms * 100)
+      note = r.variant if r.mode != "bwd" else r.reason
+    else:
+      spread = None
+      note = f"{r.status}: {r.reason}"
+    rows.append([
+        r.suite, r.dtype, str(r.batch), str(r.q_len), str(r.kv_len),
+        str(r.num_heads), str(r.num_kv_heads), str(r.head_dim), r.mask, r.mode,
+        r.impl, _fmt(r.tflops, ".1f"), _fmt(r.median_ms, ".3f"),
+        "-" if spread is None else f"{spread:.1f}%",
+        _fmt(r.ratio_to_baseline, ".2f"), note[:70]])
+  widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
+            for i, h in enumerate(header)]
+  lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+  lines.append("  ".join("-" * w for w in widths))
+  for row in rows:
+    lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+  return "\n".join(lines)
+
+
+def sort_key(r: Result):
+  mode_order = {"fwd": 0, "fwd+bwd": 1, "bwd": 2}
+  return (r.suite, r.dtype, r.head_dim, r.mask, r.num_heads, r.num_kv_heads,
+          r.q_len, mode_order.get(r.mode, 3), r.impl)
+
+
+def write_csv(path: str, results: Iterable[Result], env: dict) -> None:
+  """One row per result; the environment repeated as columns on every row."""
+  env_cols = list(env)
+  with open(path, "w", newline="") as f:
+    writer = csv.writer(f)
+    fields = [x for x in FIELDS if x != "times_ms"]
+    writer.writerow(fields + ["times_ms"] + env_cols)
+    for r in results:
+      d = r.to_dict()
+      writer.writerow([("" if d[x] is None else d[x]) for x in fields]
+                      + [" ".join(f"{t:.6g}" for t in r.times_ms)]
+                      + [env[c] for c in env_cols])
+
+
+def write_json(path: str, results: Iterable[Result], env: dict) -> None:
+  with open(path, "w") as f:
+    json.dump({"environment": env, "results": [r.to_dict() for r in results]},
+              f, indent=1)
+    f.write("\n")
+
+
+def read_json(path: str) -> tuple[dict, list[Result]]:
+  """The inverse of write_json (to re-plot or re-tabulate old results)."""
+  with open(path) as f:
+    data = json.load(f)
+  return data["environment"], [Result(**d) for d in data["results"]]

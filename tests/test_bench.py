@@ -1,0 +1,501 @@
+"""CPU tests of the benchmark suite's pure parts (flash3.bench).
+
+The timing itself (CUPTI) and the real contenders need a Hopper GPU; here the
+runner is driven with stand-in contenders and a stand-in clock.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flash3
+from flash3.bench import cases as cases_lib
+from flash3.bench import cli
+from flash3.bench import flops as flops_lib
+from flash3.bench import implementations as impls
+from flash3.bench import plots
+from flash3.bench import reference
+from flash3.bench import report
+from flash3.bench import results as results_lib
+from flash3.bench import runner
+from flash3.bench import timing
+from flash3.bench.cases import Case
+from flash3.bench.results import Result
+from flash3.visibility import MaskSpec, dense_mask
+
+
+# ----- FLOPs ------------------------------------------------------------------
+
+def test_full_forward_flops_is_4_btt_nd():
+  case = Case("t", 2, 128, 96, 4, 2, 64)
+  assert flops_lib.forward_flops(case) == 4 * 2 * 128 * 96 * 4 * 64
+
+
+def test_causal_square_is_exactly_half_and_modes_scale():
+  full = Case("t", 2, 512, 512, 16, 16, 128)
+  causal = Case("t", 2, 512, 512, 16, 16, 128, causal=True)
+  assert flops_lib.forward_flops(causal) == flops_lib.forward_flops(full) / 2
+  f = flops_lib.flops(causal, "fwd")
+  assert flops_lib.flops(causal, "bwd") == 2.5 * f
+  assert flops_lib.flops(causal, "fwd+bwd") == 3.5 * f
+  with pytest.raises(ValueError, match="mode"):
+    flops_lib.flops(causal, "backward")
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(37, 37), (20, 53), (53, 20), (1, 9)])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("causal,window", [
+    (True, None), (False, (5, 3)), (True, (7, 0)), (False, (0, 0)),
+    (True, (0, 4)), (False, None), (False, (60, 1))])
+def test_visible_pairs_equals_dense_count(q_len, kv_len, alignment, causal,
+                                          window):
+  left, right = window if window else (None, None)
+  spec = MaskSpec(causal=causal, alignment=alignment, window_left=left,
+                  window_right=right)
+  dense = int(np.asarray(dense_mask(spec, q_len, kv_len)).sum())
+  assert flops_lib.visible_pairs(q_len, kv_len, spec) == dense
+
+
+def test_visible_pairs_with_segments_equals_dense_count():
+  rng = np.random.default_rng(0)
+  for causal in (False, True):
+    ids = np.sort(rng.integers(0, 5, size=61)).astype(np.int32)
+    spec = MaskSpec(causal=causal, window_left=9)
+    dense = dense_mask(spec, 61, 61, query_segment_ids=jnp.asarray(ids)[None],
+                       key_value_segment_ids=jnp.asarray(ids)[None])
+    assert flops_lib.visible_pairs(61, 61, spec, ids, ids) == int(
+        np.asarray(dense).sum())
+
+
+def test_visible_pairs_rejects_bad_segments():
+  ids = np.arange(8)
+  with pytest.raises(ValueError, match="both"):
+    flops_lib.visible_pairs(8, 8, MaskSpec(), ids, None)
+  with pytest.raises(ValueError, match="non-decreasing"):
+    flops_lib.visible_pairs(8, 8, MaskSpec(), ids, ids[::-1].copy())
+
+
+def test_window_and_packed_documents_count_exactly():
+  window = Case("m", 1, 16384, 16384, 16, 16, 128, causal=True,
+                window=(1024, 0))
+  pairs = 1024 * 1025 // 2 + (16384 - 1024) * 1025  # Row i sees min(i,1024)+1.
+  assert flops_lib.forward_flops(window) == 4 * 16 * 128 * pairs
+  docs = Case("m", 2, 16384, 16384, 16, 16, 128, causal=True, num_docs=8)
+  assert flops_lib.forward_flops(docs) == 4 * 2 * 16 * 128 * 8 * (
+      2048 * 2049 // 2)
+  docs_full = Case("m", 1, 16384, 16384, 16, 16, 128, num_docs=8)
+  assert flops_lib.forward_flops(docs_full) == 4 * 16 * 128 * 8 * 2048**2
+
+
+def test_tflops_per_s():
+  assert flops_lib.tflops_per_s(2e12, 4.0) == pytest.approx(500.0)
+  assert flops_lib.tflops_per_s(1e12, None) is None
+  assert flops_lib.tflops_per_s(1e12, 0.0) is None
+
+
+# ----- suites -----------------------------------------------------------------
+
+def test_fa3_grid_shapes():
+  grid = cases_lib.suite_cases("fa3")
+  assert len(grid) == 2 * 3 * 2 * 6
+  assert {c.q_len for c in grid} == {512, 1024, 2048, 4096, 8192, 16384}
+  assert {c.head_dim for c in grid} == {64, 128, 256}
+  assert {c.dtype for c in grid} == {"float16", "bfloat16"}
+  assert {c.causal for c in grid} == {False, True}
+  for c in grid:
+    assert c.batch * c.q_len == 16384 and c.num_heads * c.head_dim == 2048
+    assert c.q_len == c.kv_len and c.num_heads == c.num_kv_heads
+
+
+def test_other_suites():
+  gqa = cases_lib.suite_cases("gqa")
+  assert {(c.num_heads, c.num_kv_heads, c.head_dim) for c in gqa} == {
+      (32, 8, 128)}
+  assert max(c.q_len for c in cases_lib.suite_cases("long")) == 131072
+  masks = cases_lib.suite_cases("masks")
+  assert {c.mask for c in masks} == {"causal", "causal+window(1024,0)",
+                                     "docs8", "causal+docs8"}
+  assert all(c.q_len == 16384 for c in masks)
+  quick = cases_lib.suite_cases("quick")
+  assert 1 <= len(quick) <= 4 and {c.dtype for c in quick} == {"float16"}
+  every = cases_lib.suite_cases("all", ["bfloat16"])
+  assert len(every) == sum(len(cases_lib.suite_cases(n, ["bfloat16"]))
+                           for n in cases_lib.FULL)
+  assert {c.dtype for c in every} == {"bfloat16"}
+  with pytest.raises(ValueError, match="unknown suite"):
+    cases_lib.suite_cases("nope")
+
+
+def test_case_segment_ids_and_validation():
+  seg = Case("m", 2, 12, 12, 2, 2, 64, num_docs=3).segment_ids()
+  assert seg.shape == (2, 12) and seg.dtype == np.int32
+  assert seg[1].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+  assert Case("m", 1, 8, 8, 2, 2, 64).segment_ids() is None
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    Case("m", 1, 8, 8, 6, 4, 64)
+  with pytest.raises(ValueError, match="num_docs"):
+    Case("m", 1, 10, 10, 2, 2, 64, num_docs=3)
+  with pytest.raises(ValueError, match="dtype"):
+    Case("m", 1, 8, 8, 2, 2, 64, dtype="float32")
+
+
+# ----- command line -----------------------------------------------------------
+
+def test_parse_shape():
+  assert cli.parse_shape("B=2,T=4096,N=32,K=8,D=128") == dict(
+      B=2, T=4096, Tq=4096, Tk=4096, N=32, K=8, D=128)
+  assert cli.parse_shape("B=1,Tq=10,Tk=30,N=4,D=64")["K"] == 4
+  for bad in ("B=2,T=4096,N=32", "B=2,T=x,N=1,D=64", "Q=1,B=1,T=1,N=1,D=64",
+              "B2"):
+    with pytest.raises(Exception) as e:
+      cli.parse_shape(bad)
+    assert "shape" in str(e.value)
+
+
+def test_parse_defaults_and_quick():
+  args = cli.parse([])
+  assert args.suite == "fa3" and args.iterations == 10 and not args.no_tune
+  assert args.modes == ("fwd", "fwd+bwd") and args.out == "bench-results"
+  quick = cli.parse(["--quick"])
+  assert quick.iterations == cli.QUICK_ITERATIONS and quick.no_tune
+  args = cli.parse(["--shape", "B=1,T=256,N=4,D=64", "--window", "16,0",
+                    "--docs", "2", "--causal", "--dtypes", "float16,bfloat16",
+                    "--impls", "cudnn,flash3", "--modes", "fwd"])
+  selected = cli.select_cases(args)
+  assert [c.dtype for c in selected] == ["float16", "bfloat16"]
+  assert selected[0].mask == "causal+window(16,0)+docs2"
+  assert args.impls == ("cudnn", "flash3") and args.modes == ("fwd",)
+
+
+@pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--modes", "bwd"],
+                                  ["--window", "3"], ["--iterations", "0"],
+                                  ["--suite", "nope"]])
+def test_bad_arguments_exit_2(argv, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == 2
+  assert "flash3-bench" in capsys.readouterr().err
+
+
+def test_list_runs_without_gpu(capsys):
+  assert cli.main(["--list", "--suite", "gqa"]) == 0
+  out = capsys.readouterr().out
+  assert "N=32 K=8 D=128" in out and out.strip().endswith("10 cases x 2 modes")
+
+
+def test_mask_flags_need_shape(capsys):
+  assert cli.main(["--causal", "--list"]) == 2
+  assert "--shape" in capsys.readouterr().err
+
+
+def test_unknown_impl_exits_2(capsys):
+  assert cli.main(["--quick", "--impls", "flash3,nope"]) == 2
+  assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(flash3._device.hopper_device_kind() is not None,
+                    reason="tests the path without a Hopper GPU")
+def test_without_hopper_one_line_and_nonzero(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "flash3.bench", "--quick", "--out",
+       str(tmp_path)], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert proc.stdout == ""
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("flash3-bench: cannot run")
+  assert "Traceback" not in proc.stderr
+  assert not any(tmp_path.iterdir())
+
+
+def test_import_flash3_needs_no_matplotlib_or_tqdm():
+  code = ("import sys, flash3, flash3.bench, flash3.bench.cli, "
+          "flash3.bench.report, flash3.bench.plots, flash3.bench.runner\n"
+          "assert 'matplotlib' not in sys.modules, 'matplotlib'\n"
+          "assert 'tqdm' not in sys.modules, 'tqdm'\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+
+
+# ----- results, table, files, plots -------------------------------------------
+
+def _row(impl, mode, t, ms, status="ok", d=128, mask="causal", suite="fa3"):
+  case = Case(suite, 16384 // t, t, t, 2048 // d, 2048 // d, d, "float16",
+              causal=mask == "causal")
+  r = Result.for_case(case, impl, mode, status)
+  if status == "ok":
+    r.median_ms, r.min_ms, r.max_ms = ms, ms * 0.99, ms * 1.02
+    r.times_ms = [ms * 0.99, ms, ms * 1.02]
+    r.tflops = flops_lib.tflops_per_s(r.flops, ms)
+  else:
+    r.reason = "NotImplementedError: no causal backward"
+  return r
+
+
+def synthetic_results():
+  rows = []
+  for t in (1024, 4096):
+    for mask in ("full", "causal"):
+      rows += [_row("cudnn", "fwd", t, 1.0, mask=mask),
+               _row("cudnn", "fwd+bwd", t, 3.0, mask=mask),
+               _row("flash3", "fwd", t, 0.8, mask=mask),
+               _row("flash3", "fwd+bwd", t, 2.8, mask=mask),
+               _row("jax-mgpu", "fwd", t, 1.25, mask=mask),
+               _row("jax-mgpu", "fwd+bwd", t, None, status="unsupported",
+                    mask=mask)]
+  rows += results_lib.derive_backward(rows)
+  results_lib.add_ratios(rows, "cudnn")
+  return rows
+
+
+def test_derived_backward_and_ratios():
+  rows = synthetic_results()
+  bwd = {(r.impl, r.q_len, r.mask): r for r in rows if r.mode == "bwd"}
+  b = bwd[("flash3", 4096, "causal")]
+  assert b.status == "ok" and b.median_ms == pytest.approx(2.0)
+  fwd = next(r for r in rows if (r.impl, r.mode, r.q_len, r.mask)
+             == ("flash3", "fwd", 4096, "causal"))
+  assert b.flops == pytest.approx(2.5 * fwd.flops)
+  assert b.tflops == pytest.approx(b.flops / 2e-3 / 1e12)
+  assert bwd[("jax-mgpu", 4096, "causal")].status == "unsupported"
+  assert fwd.ratio_to_baseline == pytest.approx(1.25)
+  assert b.ratio_to_baseline == pytest.approx(2.0 / 2.0)
+  mgpu = next(r for r in rows if r.impl == "jax-mgpu" and r.mode == "fwd")
+  assert mgpu.ratio_to_baseline == pytest.approx(0.8)
+
+
+def test_table_lists_numbers_and_reasons():
+  rows = sorted(synthetic_results(), key=report.sort_key)
+  text = report.table(rows)
+  lines = text.splitlines()
+  assert lines[0].split()[:3] == ["suite", "dtype", "B"]
+  assert "vs cudnn" in lines[0] and len(lines) == 2 + len(rows)
+  flash = next(l for l in lines if " flash3 " in l and " fwd " in l
+               and " 4096 " in l and "causal" in l)
+  cells = flash.split()
+  assert "1.25" in cells and "0.800" in cells and "3.0%" in cells
+  assert any("unsupported: NotImplementedError" in l for l in lines)
+
+
+ENV = {"gpu": "NVIDIA H200", "driver": "580.1", "cuda_runtime": "13.0",
+       "jax": "0.11.2", "jaxlib": "0.11.2", "cudnn": "9.10.0",
+       "flash3": "0.1.0", "git_commit": "abc", "date": "2026-12-01T00:00:00",
+       "command": "flash3-bench --quick"}
+
+
+def test_csv_and_json_round_trip(tmp_path):
+  rows = synthetic_results()
+  report.write_csv(tmp_path / "r.csv", rows, ENV)
+  report.write_json(tmp_path / "r.json", rows, ENV)
+  with open(tmp_path / "r.csv") as f:
+    table = list(csv.DictReader(f))
+  assert len(table) == len(rows)
+  assert {r["gpu"] for r in table} == {"NVIDIA H200"}
+  assert {r["cudnn"] for r in table} == {"9.10.0"}
+  first = table[0]
+  assert float(first["tflops"]) == pytest.approx(rows[0].tflops)
+  assert len(first["times_ms"].split()) == 3
+  env, back = report.read_json(tmp_path / "r.json")
+  assert env == ENV and back == rows
+  raw = json.loads((tmp_path / "r.json").read_text())
+  assert {"driver", "jax", "cudnn", "date", "gpu"} <= set(raw["environment"])
+
+
+def test_environment_on_this_machine():
+  env = report.environment(["--quick"])
+  assert set(report.ENV_FIELDS) <= set(env)
+  assert env["jax"] == jax.__version__ and env["gpu"]
+  assert env["command"] == "flash3-bench --quick"
+  assert env["date"][:2] == "20"
+
+
+def test_plots_written_from_synthetic_results(tmp_path):
+  paths = plots.plot(synthetic_results(), str(tmp_path), ENV)
+  names = sorted(p.rsplit("/", 1)[1] for p in paths)
+  assert names == ["fa3_float16_bwd.png", "fa3_float16_fwd.png",
+                   "fa3_float16_fwd_bwd.png"]
+  for p in paths:
+    with open(p, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  groups = plots.figure_groups(synthetic_results())
+  assert {r.impl for r in groups[("fa3", "float16", "fwd+bwd")]} == {
+      "cudnn", "flash3"}  # The unsupported contender draws nothing.
+
+
+def test_replot_from_json(tmp_path, capsys):
+  report.write_json(tmp_path / "r.json", synthetic_results(), ENV)
+  out = tmp_path / "again"
+  assert cli.main(["--replot", str(tmp_path / "r.json"), "--out",
+                   str(out)]) == 0
+  assert {p.name for p in out.iterdir()} == {"results.json", "results.csv",
+                                             "table.txt", "plots"}
+  assert len(list((out / "plots").iterdir())) == 3
+  assert "flash3" in capsys.readouterr().out
+
+
+# ----- timing -----------------------------------------------------------------
+
+def test_timing_from_measurement():
+  t = timing.from_measurement([1.0, 3.0, 2.0, 2.5], 4)
+  assert t.median == 2.25 and t.min == 1.0 and t.max == 3.0
+  assert t.spread == pytest.approx(2.0 / 2.25)
+  assert timing.from_measurement(0.5, 1).times_ms == (0.5,)
+  with pytest.raises(RuntimeError, match="no kernel"):
+    timing.from_measurement(None, 3)
+  with pytest.raises(RuntimeError):
+    timing.from_measurement([1.0, 2.0], 3)
+
+
+# ----- reference and the correctness gate ------------------------------------
+
+def _inputs(case, seed=1):
+  q, k, v, do, seg = reference.random_inputs(case, seed)
+  return q, k, v, do, seg
+
+
+@pytest.mark.parametrize("case", [
+    Case("t", 2, 40, 40, 4, 2, 32, "float16", causal=True),
+    Case("t", 1, 24, 56, 2, 1, 32, "bfloat16", window=(5, 2)),
+    Case("t", 2, 48, 48, 2, 2, 32, "bfloat16", causal=True, num_docs=3),
+])
+def test_reference_matches_flash3_xla_with_small_chunks(case, monkeypatch):
+  # Force several chunks and a padded last chunk.
+  monkeypatch.setattr(reference, "CHUNK_BYTES", 4 * case.batch * case.num_heads
+                      * case.kv_len * 17)
+  q, k, v, do, seg = _inputs(case)
+  f = lambda q, k, v: reference.attention(  # noqa: E731
+      q, k, v, seg, seg, spec=case.mask_spec, scale=case.scale)
+  g = lambda q, k, v: flash3.dot_product_attention(  # noqa: E731
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+      is_causal=case.causal, local_window_size=case.window,
+      query_segment_ids=seg, key_value_segment_ids=seg, implementation="xla")
+  np.testing.assert_allclose(f(q, k, v), g(q, k, v), rtol=1e-5, atol=1e-5)
+  args32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  do32 = do.astype(jnp.float32)
+  grads_f = jax.vjp(f, *args32)[1](do32)
+  grads_g = jax.vjp(g, *args32)[1](do32)
+  for a, b in zip(grads_f, grads_g):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_check_accepts_input_dtype_math_and_rejects_errors():
+  case = Case("t", 2, 64, 64, 4, 2, 32, "bfloat16", causal=True)
+  q, k, v, do, seg = _inputs(case)
+  exp = reference.expected(case, "fwd", q, k, v, do, seg)
+  assert len(exp.values["o"]) == 2  # First and last (batch, kv head) slices.
+  good = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                      implementation="xla")
+  ok, ratio, _ = reference.check(case, exp, (good,))
+  assert ok and ratio <= 1.0
+  bad_last = good.at[1, 5, 3, 0].add(0.5)  # Only in the last slice.
+  ok, ratio, detail = reference.check(case, exp, (bad_last,))
+  assert not ok and ratio > 1.0 and detail.startswith("o max error")
+  ok, _, detail = reference.check(case, exp, (good.at[0, 0, 0, 0].set(
+      jnp.nan),))
+  assert not ok and "NaN" in detail
+
+
+def test_check_gradients_and_prescaled_q():
+  case = Case("t", 1, 64, 64, 2, 2, 64, "float16")
+  q, k, v, do, seg = _inputs(case)
+  exp = reference.expected(case, "fwd+bwd", q, k, v, do, seg)
+  assert exp.names == ("dq", "dk", "dv")
+  # A contender without softmax scale, fed q * scale, as jax-mgpu is.
+  qs = (q.astype(jnp.float32) * case.scale).astype(q.dtype)
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=1.0)  # noqa
+  grads = jax.vjp(f, qs, k, v)[1](do)
+  ok, _, detail = reference.check(case, exp, grads, q_grad_scale=case.scale)
+  assert ok, detail
+  ok, _, detail = reference.check(case, exp, grads)  # Forgetting the scale.
+  assert not ok and detail.startswith("dq")
+
+
+# ----- the runner, with stand-in contenders and clock --------------------------
+
+def _stand_in(name, fn=None, raise_at_build=None, unavailable=None):
+  def variants(case, tune):
+    if raise_at_build:
+      raise impls.Unsupported(raise_at_build)
+    return [impls.Variant("", fn)]
+  return impls.Implementation(name, name, lambda: unavailable, variants)
+
+
+def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
+  clock = {"fwd": 1.0, "fwd+bwd": 3.0}
+  calls = []
+
+  def fake_measure(fn, args, iterations, warmup):
+    calls.append(iterations)
+    mode = "fwd" if len(jax.eval_shape(fn, *args)) == 1 else "fwd+bwd"
+    return timing.Timing(tuple([clock[mode]] * iterations))
+
+  monkeypatch.setattr(timing, "measure", fake_measure)
+  xla = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, is_causal=True, implementation="xla")
+
+  def crashes(q, k, v):
+    raise NotImplementedError("head_dim 32 is not supported\nmore detail")
+
+  contenders = [
+      _stand_in("cudnn", xla),
+      _stand_in("wrong", lambda q, k, v: xla(q, k, v) * 1.1),
+      _stand_in("crashes", crashes),
+      _stand_in("refuses", raise_at_build="float16 only"),
+      _stand_in("absent", unavailable="import failed"),
+  ]
+  case = Case("t", 1, 64, 64, 2, 2, 32, "bfloat16", causal=True)
+  rows = runner.run([case], contenders, runner.Options(iterations=3))
+  got = {(r.impl, r.mode): r for r in rows}
+  assert len(rows) == 5 * 3
+  ok = got[("cudnn", "fwd")]
+  assert ok.status == "ok" and ok.median_ms == 1.0 and ok.times_ms == [1.0] * 3
+  assert ok.tflops == pytest.approx(flops_lib.flops(case, "fwd") / 1e-3 / 1e12)
+  assert ok.ratio_to_baseline == pytest.approx(1.0)
+  assert got[("cudnn", "bwd")].median_ms == pytest.approx(2.0)
+  assert got[("wrong", "fwd")].status == "wrong"
+  assert got[("wrong", "fwd")].median_ms is None  # A wrong result is not timed.
+  assert got[("wrong", "fwd+bwd")].status == "wrong"
+  assert got[("crashes", "fwd")].status == "unsupported"
+  assert got[("crashes", "fwd")].reason == (
+      "NotImplementedError: head_dim 32 is not supported")
+  assert got[("refuses", "fwd+bwd")].reason == "Unsupported: float16 only"
+  assert got[("absent", "bwd")].status == "unavailable"
+  assert calls == [3, 3]  # Only the correct contender was timed.
+
+
+def test_select_implementations():
+  assert [i.name for i in impls.select(None)] == [
+      "flash3", "cudnn", "xla", "jax-mgpu", "tokamax"]
+  assert [i.name for i in impls.select(["tokamax", "cudnn"])] == [
+      "cudnn", "tokamax"]
+  with pytest.raises(ValueError, match="unknown"):
+    impls.select(["cuda"])
+
+
+def test_contenders_refuse_what_they_cannot_do():
+  bf16 = Case("t", 1, 256, 256, 2, 2, 64, "bfloat16")
+  with pytest.raises(impls.Unsupported, match="float16"):
+    impls.IMPLEMENTATIONS["jax-mgpu"].variants(bf16, True)
+  window = Case("t", 1, 256, 256, 2, 2, 64, "float16", causal=True,
+                window=(8, 0))
+  with pytest.raises(impls.Unsupported, match="window"):
+    impls.IMPLEMENTATIONS["jax-mgpu"].variants(window, True)
+  if impls.IMPLEMENTATIONS["jax-mgpu"].unavailable() is None:
+    # (Its module imports absl, present on the GPU machines, maybe not here.)
+    f16 = Case("t", 1, 256, 256, 2, 2, 64, "float16")
+    tuned = impls.IMPLEMENTATIONS["jax-mgpu"].variants(f16, True)
+    assert len(tuned) == 3 and all(v.q_scale == 0.125 for v in tuned)
+    assert len(impls.IMPLEMENTATIONS["jax-mgpu"].variants(f16, False)) == 1
+  huge = Case("t", 1, 131072, 131072, 16, 16, 128)
+  with pytest.raises(impls.Unsupported, match="GiB"):
+    impls.IMPLEMENTATIONS["xla"].variants(huge, True)
+  docs = Case("t", 1, 64, 64, 2, 2, 64, num_docs=2)
+  (variant,) = impls.IMPLEMENTATIONS["cudnn"].variants(docs, True)
+  assert variant.label == "dense mask" and variant.aux[0].shape == (1, 1, 64,
+                                                                     64)
