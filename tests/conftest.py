@@ -1,8 +1,16 @@
 """Shared test fixtures: GPU skip rule and interpret-mode hygiene."""
 
-import pytest
+import os
 
-from flash3._device import hopper_device_kind
+# Sharding tests need several devices; on the CPU, XLA can fake them. This must
+# happen before jax initialises its backends (the import below does).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=4").strip()
+
+import pytest  # noqa: E402
+
+from flash3._device import hopper_device_kind  # noqa: E402
 
 ON_HOPPER = hopper_device_kind() is not None
 

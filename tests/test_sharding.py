@@ -1,0 +1,136 @@
+"""Sharded inputs under jit (CPU, 4 virtual devices): results equal unsharded ones."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import flash3
+from flash3 import sharding
+from flash3.context_parallel import context_parallel_attention, unzigzag, zigzag
+from flash3.reference import attention_reference
+from flash3.visibility import MaskSpec
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 4, reason="needs 4 devices (conftest sets 4 CPU devices)")
+
+
+def _mesh(shape, names):
+  # Auto axes: the classic jit + NamedSharding style, which custom_partitioning serves.
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+@pytest.fixture
+def mesh():
+  return _mesh((2, 2), ("data", "model"))
+
+
+def _qkv(B=4, T=32, N=8, K=4, D=16, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (B, T, N, D)),
+          jax.random.normal(ks[1], (B, T, K, D)),
+          jax.random.normal(ks[2], (B, T, K, D)))
+
+
+def _reference_forward(q5, k, v):
+  """A stand-in for the forward kernel, with the kernel's operand kinds."""
+  q = sharding.merge_heads(q5)
+  o, lse = attention_reference(q, k, v, scale=0.25, spec=MaskSpec(causal=True))
+  B, T, N, _ = q.shape
+  K = k.shape[2]
+  return sharding.split_heads(o, K), lse.transpose(0, 2, 1).reshape(B, K, N // K, T)
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model"), P("data"), P(None, None, "model")])
+def test_partitioned_kernel_call_keeps_shards_and_never_gathers(mesh, spec):
+  q, k, v = _qkv()
+  q5 = sharding.split_heads(q, 4)
+  fn = sharding.partitioned(_reference_forward, ("q", "kv", "kv"), ("q", "row"))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  args = (put(q5), put(k), put(v))
+  jitted = jax.jit(fn)
+  o5, lse = jitted(*args)
+  want_o5, want_lse = _reference_forward(q5, k, v)
+  np.testing.assert_allclose(o5, want_o5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+  pad = lambda spec: (tuple(spec) + (None,) * 5)[:3]
+  assert pad(o5.sharding.spec) == pad(spec)
+  hlo = jitted.lower(*args).compile().as_text()
+  assert not re.search(r"all-gather|all-to-all|collective-permute", hlo)
+
+
+def test_partitioned_reshards_sequence_sharded_inputs_explicitly(mesh):
+  """A sequence-sharded operand is resharded at the call; the result is still right."""
+  q, k, v = _qkv()
+  q5 = sharding.split_heads(q, 4)
+  fn = sharding.partitioned(_reference_forward, ("q", "kv", "kv"), ("q", "row"))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "model")))
+  o5, _ = jax.jit(fn)(put(q5), put(k), put(v))
+  np.testing.assert_allclose(o5, _reference_forward(q5, k, v)[0], atol=1e-5)
+
+
+def test_zigzag_round_trip_and_order():
+  x = jnp.arange(16).reshape(1, 16)
+  z = zigzag(x, 2)
+  # chunks of 4: device 0 holds chunks 0 and 3, device 1 holds 1 and 2.
+  assert z[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+  assert (unzigzag(z, 2) == x).all()
+  with pytest.raises(ValueError, match="multiple of 2 \\* num_shards"):
+    zigzag(jnp.zeros((1, 6)), 2)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5)])
+def test_context_parallel_equals_unsharded(layout, causal, window):
+  mesh = _mesh((2, 2), ("data", "ctx"))
+  q, k, v = _qkv(B=2, T=32, N=4, K=2)
+  win = None if window is None else (window, 0)
+  kw = dict(is_causal=causal, local_window_size=win, implementation="xla")
+  to = (lambda x: zigzag(x, 2)) if layout == "zigzag" else (lambda x: x)
+  back = (lambda x: unzigzag(x, 2)) if layout == "zigzag" else (lambda x: x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    put = lambda x: jax.device_put(to(x), NamedSharding(mesh, P("data", "ctx")))
+    args = tuple(put(x) for x in (q, k, v))
+    f = jax.jit(lambda q, k, v: context_parallel_attention(
+        q, k, v, mesh=mesh, sequence_axis="ctx", batch_axis="data", layout=layout,
+        is_causal=causal, local_window_size=window, implementation="xla"))
+    loss = lambda f: lambda q, k, v: (f(q, k, v) ** 2).sum()
+    got = back(f(*args))
+    grads = jax.grad(loss(f), argnums=(0, 1, 2))(*args)
+  want = flash3.dot_product_attention(q, k, v, **kw)
+  want_grads = jax.grad(loss(lambda q, k, v: flash3.dot_product_attention(q, k, v, **kw)),
+                        argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(back(g), w, atol=5e-5)
+
+
+def test_context_parallel_with_segments():
+  mesh = _mesh((4,), ("ctx",))
+  q, k, v = _qkv(B=1, T=32, N=2, K=2)
+  seg = jnp.repeat(jnp.arange(4), 8)[None].at[0, 5:9].set(7)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    got = jax.jit(lambda q, k, v, s: context_parallel_attention(
+        q, k, v, mesh=mesh, sequence_axis="ctx", is_causal=True,
+        query_segment_ids=s, key_value_segment_ids=s, implementation="xla"))(
+            *(zigzag(x, 4) for x in (q, k, v, seg)))
+  want = flash3.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=seg,
+                                      key_value_segment_ids=seg, implementation="xla")
+  np.testing.assert_allclose(unzigzag(got, 4), want, atol=2e-5)
+
+
+def test_context_parallel_rejects_bad_arguments():
+  mesh = _mesh((4,), ("ctx",))
+  q, k, v = _qkv(B=1, T=20, N=2, K=2)
+  with pytest.raises(ValueError, match="not a multiple of 8"):
+    context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="ctx")
+  with pytest.raises(ValueError, match="sequence_axis='seq' is not an axis"):
+    context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="seq")
+  with pytest.raises(ValueError, match="local_window_size"):
+    context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="ctx", local_window_size=3)
