@@ -99,7 +99,7 @@ def test_flash3_switch_matches_xla_on_cpu():
   from examples.train_gpt import model as model_lib  # noqa: PLC0415
   stream = data_lib.build_stream(data_lib.stdlib_files(data_lib.stdlib_root())[:20],
                                  data_lib.stdlib_root())
-  batch = train_lib.to_device(data_lib.train_batch(stream, 1, 2, 128, 0), True)
+  batch = train_lib.to_device(data_lib.train_batch(stream, 1, 2, 128, 0))
   cfg = model_lib.Config(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=128)
   params = model_lib.init_params(cfg, jax.random.key(0))
   losses = {}

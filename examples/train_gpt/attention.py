@@ -94,7 +94,7 @@ def _cudnn(q, k, v, segment_ids, max_segments):
 _warned_standin = False
 
 
-def _flash3(q, k, v, segment_ids):
+def _flash3(q, k, v, segment_ids, implementation):
   api = flash3_api()
   if api is None:
     global _warned_standin
@@ -104,13 +104,18 @@ def _flash3(q, k, v, segment_ids):
       _warned_standin = True
     return _xla(q, k, v, segment_ids)
   return api(q, k, v, is_causal=True, query_segment_ids=segment_ids,
-             key_value_segment_ids=segment_ids)
+             key_value_segment_ids=segment_ids, implementation=implementation)
 
 
-def attend(q, k, v, segment_ids, implementation: str, max_segments: int = 0):
-  """Causal GQA attention within documents; see the module docstring for shapes."""
+def attend(q, k, v, segment_ids, implementation: str, max_segments: int = 0,
+           flash3_implementation: str | None = None):
+  """Causal GQA attention within documents; see the module docstring for shapes.
+
+  max_segments: static bound on documents per row, for cuDNN's packed layout.
+  flash3_implementation: passed to flash3 ("mosaic" raises where the kernels cannot run).
+  """
   if implementation == "flash3":
-    return _flash3(q, k, v, segment_ids)
+    return _flash3(q, k, v, segment_ids, flash3_implementation)
   if implementation == "cudnn":
     return _cudnn(q, k, v, segment_ids, max_segments)
   if implementation == "xla":

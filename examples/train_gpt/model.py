@@ -31,6 +31,8 @@ class Config:
   rope_base: float = 10000.0
   attention: str = "flash3"  # flash3 | cudnn | xla | identity
   max_segments: int = 0      # static bound on documents per row (cuDNN's packed layout)
+  flash3_implementation: str | None = None  # None: kernels where supported, else XLA
+  segments: bool = True  # False: attention and rotary positions ignore document boundaries
 
   @property
   def model_dim(self) -> int:
@@ -111,7 +113,8 @@ def _block(config: Config, x, layer, positions, segment_ids):
   v = (h @ layer["wv"]).reshape(B, T, K, D)
   q = rope(q, positions, config.rope_base)
   k = rope(k, positions, config.rope_base)
-  o = attention_lib.attend(q, k, v, segment_ids, config.attention, config.max_segments)
+  o = attention_lib.attend(q, k, v, segment_ids if config.segments else None,
+                           config.attention, config.max_segments, config.flash3_implementation)
   x = x + o.reshape(B, T, N * D) @ layer["wo"]
   h = rms_norm(x, layer["mlp_norm"])
   x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
@@ -122,7 +125,10 @@ def forward(config: Config, params, inputs, segment_ids, dtype=jnp.bfloat16):
   """float32 logits [B, T, vocab] for int32 inputs [B, T]."""
   p = jax.tree.map(lambda a: a.astype(dtype), params)
   x = p["embed"][inputs]
-  positions = positions_in_document(segment_ids)
+  if config.segments:
+    positions = positions_in_document(segment_ids)
+  else:
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
 
   def body(x, layer):
     return _block(config, x, layer, positions, segment_ids), None

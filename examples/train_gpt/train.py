@@ -27,6 +27,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-segments", action="store_true",
                  help="let attention cross document boundaries (no segment ids)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--flash3-kernels-only", action="store_true",
+                 help="flash3 with implementation='mosaic': fail instead of using the XLA path")
   p.add_argument("--stop-at", type=int, default=None,
                  help="end the process after this step, as an interruption would (tests resume)")
   for name in ("num_layers", "num_heads", "num_kv_heads", "mlp_dim", "seq_len", "batch_size",
@@ -102,12 +105,8 @@ def make_train_step(config: model_lib.Config, optimizer, donate: bool = True):
   return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
-def to_device(batch: data_lib.Batch, use_segments: bool) -> dict:
-  out = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
-  if not use_segments:
-    # One "document" per row for attention; the loss still skips cross-file targets.
-    out["segment_ids"] = jnp.ones_like(out["segment_ids"])
-  return out
+def to_device(batch: data_lib.Batch) -> dict:
+  return {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
 
 
 def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict:
@@ -160,7 +159,22 @@ def write_json(path: pathlib.Path, obj) -> None:
 
 
 def main(argv=None) -> dict:
+  """Parse flags, train, and return the log (also written to OUT/log.json)."""
   args = parse_args(argv)
+  caught: list[str] = []
+  with warnings.catch_warnings():
+    # Keep flash3's "using the XLA path because ..." in the log, not only on stderr.
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+      caught.append(f"{category.__name__}: {message}")
+      show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = record
+    return run(args, caught)
+
+
+def run(args, caught_warnings: list[str]) -> dict:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
@@ -172,8 +186,9 @@ def main(argv=None) -> dict:
   config = model_lib.Config(
       num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
       head_dim=args.head_dim, mlp_dim=args.mlp_dim, attention=args.attention,
+      flash3_implementation="mosaic" if args.flash3_kernels_only else None,
+      segments=not args.no_segments,
       max_segments=data_lib.max_segments_per_row(args.seq_len, min_bytes))
-  use_segments = not args.no_segments
   device = jax.devices()[0]
   path_line = attention_lib.describe(args.attention)
   say(f"device: {device.device_kind} ({device.platform}); attention: {path_line}")
@@ -192,7 +207,8 @@ def main(argv=None) -> dict:
   log_path = out / "log.json"
   start = 0
   log = {"args": vars(args), "config": dataclasses.asdict(config), "attention": path_line,
-         "device": f"{device.device_kind} ({device.platform})", "steps": [], "heldout": []}
+         "device": f"{device.device_kind} ({device.platform})", "steps": [], "heldout": [],
+         "warnings": caught_warnings}
   if args.resume and ckpt_path.exists():
     state, start = checkpoint.restore(ckpt_path, state)
     if log_path.exists():
@@ -204,12 +220,12 @@ def main(argv=None) -> dict:
 
   train_step = make_train_step(config, optimizer)
   eval_fn = jax.jit(lambda p, b: model_lib.loss_fn(config, p, b))
-  heldout = [to_device(b, use_segments) for b in data_lib.heldout_batches(
+  heldout = [to_device(b) for b in data_lib.heldout_batches(
       heldout_stream, args.eval_batches, args.batch_size, args.seq_len)]
 
   def batch_for(step: int) -> dict:
     return to_device(data_lib.train_batch(train_stream, step, args.batch_size, args.seq_len,
-                                          args.seed), use_segments)
+                                          args.seed))
 
   if start == 0:
     log["heldout"].append({"step": 0, "heldout_loss": evaluate(eval_fn, state[0], heldout)})

@@ -1,0 +1,92 @@
+"""Compare two train_gpt runs (e.g. flash3 and cuDNN from the same seed): one plot, one table.
+
+  python -m examples.train_gpt.compare RUN_A/log.json RUN_B/log.json --out DIR
+
+Writes DIR/compare.png (train loss, held-out loss, and the per-step difference of train
+loss) and DIR/compare.md (tokens/s, step time, attention share, final losses, the largest
+train-loss difference), and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+
+
+def load(path) -> dict:
+  log = json.loads(pathlib.Path(path).read_text())
+  log["name"] = log["args"]["attention"]
+  return log
+
+
+def table(logs: list[dict]) -> str:
+  rows = ["| run | attention path | tokens/s | median step (s) | attention share of step | "
+          "first -> final held-out loss | final train loss |", "|---|---|---|---|---|---|---|"]
+  for log in logs:
+    s = log.get("summary", {})
+    at = s.get("attention_time", {})
+    share = f"{100 * at['attention_share']:.0f}%" if at else "n/a"
+    rows.append(
+        f"| {log['name']} | {log['attention']} | {s.get('tokens_per_s', float('nan')):,.0f} | "
+        f"{s.get('median_step_s', float('nan')):.4f} | {share} | "
+        f"{s.get('first_heldout_loss', float('nan')):.3f} -> "
+        f"{s.get('final_heldout_loss', float('nan')):.3f} | "
+        f"{s.get('final_train_loss', float('nan')):.3f} |")
+  return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("logs", nargs=2)
+  p.add_argument("--out", required=True)
+  args = p.parse_args(argv)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  logs = [load(x) for x in args.logs]
+
+  a, b = ({r["step"]: r["train_loss"] for r in log["steps"]} for log in logs)
+  common = sorted(set(a) & set(b))
+  diff = np.array([a[s] - b[s] for s in common])
+  lines = [table(logs), ""]
+  if common:
+    lines.append(f"train loss {logs[0]['name']} - {logs[1]['name']} over {len(common)} steps: "
+                 f"max |diff| {np.max(np.abs(diff)):.4f}, mean diff {np.mean(diff):+.4f}, "
+                 f"last 50 steps mean |diff| {np.mean(np.abs(diff[-50:])):.4f}")
+  for log in logs:
+    for w in log.get("warnings", []):
+      lines.append(f"warning in the {log['name']} run: {w}")
+  text = "\n".join(lines) + "\n"
+  (out / "compare.md").write_text(text)
+  print(text)
+
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                    gridspec_kw={"height_ratios": [3, 1]})
+  for log in logs:
+    tps = log.get("summary", {}).get("tokens_per_s", float("nan"))
+    line, = ax.plot([r["step"] for r in log["steps"]], [r["train_loss"] for r in log["steps"]],
+                    lw=0.8, alpha=0.7, label=f"{log['name']} train ({tps:,.0f} tokens/s)")
+    ax.plot([r["step"] for r in log["heldout"]], [r["heldout_loss"] for r in log["heldout"]],
+            "o--", color=line.get_color(), label=f"{log['name']} held-out")
+  ax.set_ylabel("next-byte loss (nats)")
+  ax.set_title(f"same seed, {logs[0]['device']}", fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  ax_diff.plot(common, diff, lw=0.8)
+  ax_diff.axhline(0, color="k", lw=0.5)
+  ax_diff.set_ylabel(f"{logs[0]['name']} - {logs[1]['name']}")
+  ax_diff.set_xlabel("step")
+  ax_diff.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(out / "compare.png", dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()
