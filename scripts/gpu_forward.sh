@@ -1,0 +1,9 @@
+#!/bin/bash
+# Forward kernel on an H100/H200: GPU tests, then the benchmark vs cuDNN.
+# Usage (repo root): bash scripts/gpu_forward.sh [pytest -k expr] ; OUT=dir for logs.
+set -o pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+python3 -m pytest -q -m gpu tests/test_forward_kernel.py -p no:cacheprovider -x \
+  ${1:+-k "$1"} 2>&1 | tee $OUT/gpu_tests.log | tail -40
+python3 scripts/bench_forward.py ${BENCH_ARGS:---quick} 2>&1 | tee $OUT/bench.log

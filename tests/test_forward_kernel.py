@@ -1,0 +1,446 @@
+"""Tests of the forward kernel (flash3.kernels.forward).
+
+Interpret-mode tests (``-m interpret``) run the kernel itself on the CPU in GPU
+interpret mode, small shapes only. GPU tests (``-m gpu``) run on an H100/H200
+and skip elsewhere. Every comparison follows FlashAttention-3's rule: the
+kernel's error against a float32 reference is at most a small multiple of the
+error of the same math done in the input dtype, plus a small atol; NaN fails.
+
+Set FLASH3_FULL_GRID=1 to run issue 3's whole cross product on the GPU
+(otherwise every factor is covered, cycled over the lengths).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flash3.kernels import common
+from flash3.kernels.config import (SMEM_LIMIT_BYTES, ForwardConfig,
+                                   forward_config, forward_smem_bytes)
+from flash3.kernels.forward import attention_forward, unsupported_reason
+from flash3.visibility import MaskSpec, dense_mask
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+NO_MASK = MaskSpec()
+CAUSAL_TL = MaskSpec(causal=True, alignment="top_left")
+CAUSAL_BR = MaskSpec(causal=True, alignment="bottom_right")
+
+
+# ----------------------------------------------------------------------------
+# Reference and checks
+# ----------------------------------------------------------------------------
+
+def reference(q, k, v, *, scale, mask, low_precision=False):
+  """Attention with an explicit dense mask: (o, lse natural log).
+
+  float32 throughout, or (low_precision) the same math with the scores and
+  P @ V in the input dtype, the error yardstick of FlashAttention-3's rule.
+  """
+  B, Tq, N, D = q.shape
+  Tk, K = k.shape[1], k.shape[2]
+  dt = q.dtype if low_precision else jnp.float32
+  q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+  k = jnp.repeat(k, N // K, axis=2)
+  v = jnp.repeat(v, N // K, axis=2)
+  s = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * scale
+  keep = dense_mask(mask, Tq, Tk)
+  s = jnp.where(keep, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(keep, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1.0)
+  o = jnp.einsum("bnqk,bknd->bqnd", p.astype(dt), v).astype(jnp.float32)
+  l = l[..., 0]
+  lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m[..., 0], -jnp.inf)
+  return o, lse
+
+
+def assert_matches(o, lse, q, k, v, *, scale, mask, factor=3.0, atol=2e-3):
+  """FlashAttention-3's tolerance rule for o, plus lse to 1e-3 (relative)."""
+  o = np.asarray(o.astype(jnp.float32))
+  lse = np.asarray(lse)
+  assert not np.isnan(o).any(), "NaN in o"
+  assert not np.isnan(lse).any(), "NaN in lse"
+  ref_o, ref_lse = (np.asarray(x) for x in reference(q, k, v, scale=scale, mask=mask))
+  low_o, _ = reference(q, k, v, scale=scale, mask=mask, low_precision=True)
+  low_err = float(np.max(np.abs(np.asarray(low_o) - ref_o)))
+  err = float(np.max(np.abs(o - ref_o)))
+  assert err <= factor * low_err + atol, (
+      f"o max error {err:.3g} > {factor} * {low_err:.3g} + {atol}")
+  # Rows that see no key: lse -inf exactly there and nowhere else, o = 0.
+  dead = np.isneginf(ref_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), dead)
+  assert np.all(o.transpose(0, 2, 1, 3)[dead] == 0), "rows that see no key are not 0"
+  live = ~dead
+  np.testing.assert_allclose(lse[live], ref_lse[live], rtol=1e-4, atol=1e-3)
+  return err, low_err
+
+
+def make_qkv(key, B, Tq, Tk, N, K, D, dtype, scale=1.0):
+  kq, kk, kv = jax.random.split(key, 3)
+  q = (scale * jax.random.normal(kq, (B, Tq, N, D), jnp.float32)).astype(dtype)
+  k = (scale * jax.random.normal(kk, (B, Tk, K, D), jnp.float32)).astype(dtype)
+  v = jax.random.normal(kv, (B, Tk, K, D), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def interpret_params(detect_races=False):
+  return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def run_interpret(q, k, v, *, scale, mask, config=None, detect_races=False):
+  try:
+    out = attention_forward(q, k, v, scale=scale, mask=mask, config=config,
+                            interpret=interpret_params(detect_races))
+    jax.block_until_ready(out)
+  except Exception:
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    raise
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Config and argument checks (CPU, fast)
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("block_q", 128), ("block_kv", 96), ("block_kv", 512), ("num_stages", 0),
+    ("compute_registers", 300)])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    ForwardConfig(**{field: value})
+
+
+def test_config_rejects_too_many_registers():
+  with pytest.raises(ValueError, match="registers"):
+    ForwardConfig(compute_registers=256, producer_registers=256)
+
+
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_heuristic_always_fits_shared_memory(mask, dtype):
+  for d_pad, (q_len, kv_len) in itertools.product(
+      (64, 128, 192, 256), [(1, 1), (128, 217), (4096, 4096), (1, 65536)]):
+    config = forward_config(d_pad, dtype, mask, q_len, kv_len)
+    need = forward_smem_bytes(config, d_pad, 2, interpret=True)
+    assert need <= SMEM_LIMIT_BYTES, (d_pad, config, need)
+
+
+def test_unsupported_reasons():
+  ok = unsupported_reason((2, 10, 4, 64), (2, 7, 2, 64), jnp.bfloat16, CAUSAL_BR)
+  assert ok is None
+  assert "float16" in unsupported_reason((1, 8, 1, 64), (1, 8, 1, 64), jnp.float32, NO_MASK)
+  assert "multiple of 8" in unsupported_reason((1, 8, 1, 60), (1, 8, 1, 60), jnp.float16, NO_MASK)
+  assert "multiple" in unsupported_reason((1, 8, 3, 64), (1, 8, 2, 64), jnp.float16, NO_MASK)
+  assert "head_dim" in unsupported_reason((1, 8, 2, 64), (1, 8, 2, 128), jnp.float16, NO_MASK)
+  assert "batch" in unsupported_reason((1, 8, 2, 64), (2, 8, 2, 64), jnp.float16, NO_MASK)
+  with pytest.raises(ValueError, match="float16"):
+    x = jnp.zeros((1, 8, 1, 64), jnp.float32)
+    attention_forward(x, x, x, scale=1.0, mask=NO_MASK)
+
+
+def test_static_switch():
+  assert common.uses_register_operands(False)
+  assert not common.uses_register_operands(True)
+  assert not common.uses_register_operands(plgpu.InterpretGPUParams())
+
+
+# ----------------------------------------------------------------------------
+# Interpret mode: the kernel itself on the CPU (small shapes)
+# ----------------------------------------------------------------------------
+
+W = MaskSpec  # shorthand for windows below
+
+INTERPRET_CASES = [
+    # B, Tq, Tk, N, K, D, dtype, mask
+    (1, 128, 128, 1, 1, 64, jnp.bfloat16, NO_MASK),
+    (1, 113, 203, 2, 1, 64, jnp.float16, CAUSAL_BR),
+    (1, 203, 113, 2, 1, 128, jnp.bfloat16, CAUSAL_BR),  # top rows see no key
+    (1, 200, 333, 1, 1, 64, jnp.bfloat16, CAUSAL_TL),
+    (1, 333, 200, 1, 1, 64, jnp.float16, CAUSAL_TL),
+    (2, 239, 1, 2, 2, 64, jnp.float16, NO_MASK),
+    (1, 1, 300, 1, 1, 128, jnp.bfloat16, CAUSAL_BR),
+    (1, 130, 130, 4, 1, 64, jnp.bfloat16, CAUSAL_TL),  # GQA 4:1
+    (1, 64, 128, 2, 2, 96, jnp.float16, NO_MASK),  # D padded to 128
+    (1, 300, 260, 1, 1, 64, jnp.bfloat16, W(window_left=32, window_right=8)),
+    (1, 260, 300, 1, 1, 64, jnp.float16,
+     W(causal=True, alignment="bottom_right", window_left=40)),
+    (1, 256, 100, 1, 1, 64, jnp.bfloat16, W(window_left=0, window_right=0)),  # rows >= 100 see nothing
+    (1, 5, 3, 2, 1, 64, jnp.bfloat16, CAUSAL_BR),  # E11 tiny lengths
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", INTERPRET_CASES)
+def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
+  q, k, v = make_qkv(jax.random.key(Tq * 1000 + Tk), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5
+  o, lse = run_interpret(q, k, v, scale=scale, mask=mask)
+  assert o.shape == q.shape and o.dtype == q.dtype
+  assert lse.shape == (B, N, Tq) and lse.dtype == jnp.float32
+  assert_matches(o, lse, q, k, v, scale=scale, mask=mask)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,mask,config", [
+    (1, 200, 333, 1, 1, 64, CAUSAL_BR, ForwardConfig(block_kv=64, num_stages=2)),
+    (1, 128, 512, 2, 1, 64, NO_MASK, ForwardConfig(block_kv=64, num_stages=3)),
+    (1, 190, 300, 1, 1, 64, W(window_left=50, window_right=20),
+     ForwardConfig(block_kv=64, num_stages=1)),
+])
+def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
+  q, k, v = make_qkv(jax.random.key(7), B, Tq, Tk, N, K, D, jnp.bfloat16)
+  o, lse = run_interpret(q, k, v, scale=0.125, mask=mask, config=config,
+                         detect_races=True)
+  assert not interpret_pallas_call.get_races().races_found
+  assert_matches(o, lse, q, k, v, scale=0.125, mask=mask)
+
+
+@pytest.mark.interpret
+def test_interpret_extreme_equal_inputs_e03():
+  """E03: q = k = v = 133120: o must equal v exactly, no NaN."""
+  for Tk in (1, 2):
+    x = jnp.full((1, 1, 1, 64), 133120.0, jnp.bfloat16)
+    kv = jnp.full((1, Tk, 1, 64), 133120.0, jnp.bfloat16)
+    o, lse = run_interpret(x, kv, kv, scale=0.125, mask=NO_MASK)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
+    assert np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.interpret
+def test_interpret_masked_keys_with_nan_e07():
+  """E07 (forward): NaN/Inf/1e30 in keys that are masked away change nothing."""
+  Tq, Tk = 100, 240
+  q, k, v = make_qkv(jax.random.key(3), 1, Tq, Tk, 1, 1, 64, jnp.bfloat16)
+  mask = CAUSAL_TL  # query i sees keys <= i < 100
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
+  idx = jnp.arange(Tk)
+  k_bad = jnp.where((idx >= Tq)[None, :, None, None],
+                    bad[idx % 3][None, :, None, None], k)
+  o, lse = run_interpret(q, k, v, scale=0.125, mask=mask)
+  o_bad, lse_bad = run_interpret(q, k_bad, v, scale=0.125, mask=mask)
+  np.testing.assert_array_equal(np.asarray(o_bad, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse_bad), np.asarray(lse))
+
+
+# ----------------------------------------------------------------------------
+# GPU tests (H100/H200)
+# ----------------------------------------------------------------------------
+
+GRID_D = (64, 128, 256, 96)
+GRID_DTYPES = (jnp.float16, jnp.bfloat16)
+GRID_MASKS = (NO_MASK, CAUSAL_TL, CAUSAL_BR)
+GRID_GQA = (1, 2, 7, 8)
+GRID_LENGTHS = ((1, 1), (64, 128), (113, 203), (128, 217), (239, 1), (256, 512),
+                (384, 256), (640, 128), (799, 3), (1023, 1024), (1024, 1023),
+                (4092, 4092), (4224, 4224))
+
+
+def _grid_cases():
+  if os.environ.get("FLASH3_FULL_GRID"):
+    return list(itertools.product(GRID_LENGTHS, GRID_MASKS, GRID_D, GRID_DTYPES, GRID_GQA))
+  cases = []
+  # Every length x mask, with D, dtype and GQA ratio cycled (coprime strides).
+  for i, (lengths, mask) in enumerate(itertools.product(GRID_LENGTHS, GRID_MASKS)):
+    cases.append((lengths, mask, GRID_D[i % 4], GRID_DTYPES[(i // 4) % 2],
+                  GRID_GQA[(i // 3) % 4]))
+  # Every D x dtype x GQA on one ragged causal shape.
+  for d, dt, g in itertools.product(GRID_D, GRID_DTYPES, GRID_GQA):
+    cases.append(((113, 203), CAUSAL_BR, d, dt, g))
+  return cases
+
+
+def _case_id(case):
+  (tq, tk), mask, d, dt, g = case
+  m = "none" if not mask.causal else ("tl" if mask.alignment == "top_left" else "br")
+  return f"T{tq}x{tk}-{m}-D{d}-{jnp.dtype(dt).name}-gqa{g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _grid_cases(), ids=_case_id)
+def test_gpu_grid(case):
+  (Tq, Tk), mask, D, dtype, ratio = case
+  K = 1
+  N = ratio * K
+  B = 2 if Tq * Tk <= 1024 * 1024 else 1
+  q, k, v = make_qkv(jax.random.key(Tq + 7 * Tk), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5
+  o, lse = attention_forward(q, k, v, scale=scale, mask=mask)
+  assert_matches(o, lse, q, k, v, scale=scale, mask=mask)
+
+
+def _gpu_check(B, Tq, Tk, N, K, D, dtype, mask, *, scale=None, qkv=None, seed=0):
+  if qkv is None:
+    qkv = make_qkv(jax.random.key(seed), B, Tq, Tk, N, K, D, dtype)
+  q, k, v = qkv
+  scale = D ** -0.5 if scale is None else scale
+  o, lse = attention_forward(q, k, v, scale=scale, mask=mask)
+  assert_matches(o, lse, q, k, v, scale=scale, mask=mask)
+  return o, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Tk", [64, 192, 704, 1088])
+def test_gpu_e01_tail_tile_very_negative_logits(Tk):
+  """E01: every scaled logit about -120 (lse < -88.7); the padded tail is -inf."""
+  D = 64
+  a = float(np.sqrt(120 * 8 / D))  # scale 1/8: a * a * D / 8 = 120
+  q = jnp.full((1, Tk, 1, D), a, jnp.bfloat16)
+  k = jnp.full((1, Tk, 1, D), -a, jnp.bfloat16)
+  v = jax.random.normal(jax.random.key(Tk), (1, Tk, 1, D), jnp.bfloat16)
+  _, lse = _gpu_check(1, Tk, Tk, 1, 1, D, jnp.bfloat16, CAUSAL_TL, qkv=(q, k, v))
+  assert float(jnp.max(lse)) < -88.7 + np.log(Tk) + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [CAUSAL_TL, CAUSAL_BR], ids=["tl", "br"])
+def test_gpu_e02_fully_masked_first_tile_keeps_max(mask):
+  """E02: causal Tq=88 < Tk=448, GQA 7:1, scaled logits in [-60, -20]."""
+  Tq, Tk, N, K, D = 88, 448, 14, 2, 64
+  q = jnp.zeros((1, Tq, N, D), jnp.float32).at[..., 0].set(1.0)
+  k0 = jax.random.uniform(jax.random.key(2), (1, Tk, K), minval=-60, maxval=-20)
+  k = 0.1 * jax.random.normal(jax.random.key(3), (1, Tk, K, D)).at[..., 0].set(k0)
+  v = jax.random.normal(jax.random.key(4), (1, Tk, K, D))
+  qkv = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+  _gpu_check(1, Tq, Tk, N, K, D, jnp.bfloat16, mask, scale=1.0, qkv=qkv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Tk", [1, 2])
+def test_gpu_e03_equal_extreme_inputs(Tk):
+  x = jnp.full((1, 1, 1, 64), 133120.0, jnp.bfloat16)
+  kv = jnp.full((1, Tk, 1, 64), 133120.0, jnp.bfloat16)
+  o, lse = attention_forward(x, kv, kv, scale=0.125, mask=NO_MASK)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
+  assert np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 17, 1024])
+@pytest.mark.parametrize("mult", [1.0, 3.0, 10.0])
+def test_gpu_e04_causal_scaled_randn(T, mult):
+  q, k, v = make_qkv(jax.random.key(T), 1, T, T, 1, 1, 128, jnp.float16, scale=mult)
+  _gpu_check(1, T, T, 1, 1, 128, jnp.float16, CAUSAL_TL, qkv=(q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [CAUSAL_TL, CAUSAL_BR], ids=["tl", "br"])
+@pytest.mark.parametrize("Tq", [255, 257, 512, 64])
+def test_gpu_e05_causal_unequal_lengths_gqa(mask, Tq):
+  _gpu_check(2, Tq, 256, 4, 2, 128, jnp.bfloat16, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [
+    CAUSAL_BR, MaskSpec(window_left=0, window_right=0),
+    MaskSpec(causal=True, alignment="bottom_right", window_left=3)],
+    ids=["causal-br", "window00", "causal-window3"])
+def test_gpu_e06_rows_that_see_no_key(mask):
+  o, lse = _gpu_check(1, 700, 300, 2, 1, 64, jnp.bfloat16, mask)
+  assert bool(jnp.isneginf(lse).any())
+
+
+@pytest.mark.gpu
+def test_gpu_e07_masked_keys_hold_nan_inf():
+  Tq, Tk = 100, 512
+  q, k, v = make_qkv(jax.random.key(3), 1, Tq, Tk, 2, 1, 128, jnp.bfloat16)
+  idx = jnp.arange(Tk)
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)[idx % 3][None, :, None, None]
+  # Keys j >= Tq are invisible to every query (causal, top-left): K may hold
+  # anything there; V only where whole key tiles are invisible (j >= 256).
+  k_bad = jnp.where((idx >= Tq)[None, :, None, None], bad, k)
+  v_bad = jnp.where((idx >= 256)[None, :, None, None], bad, v)
+  o, lse = attention_forward(q, k, v, scale=0.1, mask=CAUSAL_TL)
+  o2, lse2 = attention_forward(q, k_bad, v_bad, scale=0.1, mask=CAUSAL_TL)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [32, 64])
+def test_gpu_e08_t4092_bitwise_repeatable(D):
+  q, k, v = make_qkv(jax.random.key(8), 1, 4092, 4092, 24, 24, D, jnp.bfloat16)
+  o, lse = _gpu_check(1, 4092, 4092, 24, 24, D, jnp.bfloat16, NO_MASK, qkv=(q, k, v))
+  for _ in range(9):
+    o2, lse2 = attention_forward(q, k, v, scale=D ** -0.5, mask=NO_MASK)
+    assert bool(jnp.all(o2 == o)) and bool(jnp.all(lse2 == lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Tq,Tk", [(512, 2048), (2048, 512), (1, 4096), (4096, 1), (500, 2050)])
+def test_gpu_e09_unequal_lengths(Tq, Tk):
+  _gpu_check(1, Tq, Tk, 2, 2, 64, jnp.float16, NO_MASK)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Tk", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("extra", [1, 3, 17])
+def test_gpu_e10_uniform_ones(Tk, extra):
+  Tq = Tk + extra
+  q = jnp.ones((1, Tq, 1, 64), jnp.float16)
+  kv = jnp.ones((1, Tk, 1, 64), jnp.float16)
+  o, lse = attention_forward(q, kv, kv, scale=0.125, mask=NO_MASK)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), 1.0)
+  np.testing.assert_allclose(np.asarray(lse), 8.0 + np.log(Tk), rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_TL], ids=["none", "causal"])
+def test_gpu_e11_tiny_lengths(T, mask):
+  _gpu_check(1, T, T, 2, 1, 64, jnp.bfloat16, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("Tq,Tk", [(200, 150), (150, 200)])
+def test_gpu_e12_window_edges(causal, Tq, Tk):
+  q, k, v = make_qkv(jax.random.key(12), 1, Tq, Tk, 1, 1, 64, jnp.bfloat16)
+  for left, right in itertools.product((0, 1, Tk - 1, Tk, Tk + 1), repeat=2):
+    for alignment in ("top_left", "bottom_right"):
+      mask = MaskSpec(causal=causal, alignment=alignment, window_left=left,
+                      window_right=right)
+      _gpu_check(1, Tq, Tk, 1, 1, 64, jnp.bfloat16, mask, qkv=(q, k, v))
+  # Window (Tk - 1, 0) is causal.
+  o1, _ = attention_forward(q, k, v, scale=0.125, mask=MaskSpec(window_left=Tk - 1, window_right=0))
+  o2, _ = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_TL)
+  np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32), atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_output_written_everywhere():
+  """Poison the allocator's memory with NaN first; every output element must be written."""
+  B, Tq, Tk, N, K, D = 2, 1000, 777, 4, 2, 128
+  q, k, v = make_qkv(jax.random.key(9), B, Tq, Tk, N, K, D, jnp.bfloat16)
+  for mask in (NO_MASK, CAUSAL_BR):
+    poison = [jnp.full((B, Tq, N, D), jnp.nan, jnp.bfloat16),
+              jnp.full((B, N, 2048), jnp.nan, jnp.float32)]
+    jax.block_until_ready(poison)
+    del poison
+    o, lse = attention_forward(q, k, v, scale=0.1, mask=mask)
+    assert not bool(jnp.isnan(o).any()) and not bool(jnp.isnan(lse).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
+def test_gpu_offsets_beyond_2_pow_31(mask):
+  """q, k, v, o hold more than 2**31 elements: the last batch rows must be right."""
+  B, T, N, K, D = 1025, 1024, 16, 16, 128  # q, k, v: 1025 * 1024 * 16 * 128 > 2**31
+  assert B * T * N * D > 2 ** 31
+  key = jax.random.key(31)
+  q = jax.random.normal(key, (B, T, N, D), jnp.bfloat16)
+  k = jax.random.normal(jax.random.fold_in(key, 1), (B, T, K, D), jnp.bfloat16)
+  v = jax.random.normal(jax.random.fold_in(key, 2), (B, T, K, D), jnp.bfloat16)
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask)
+  for b in (0, B - 1):
+    sl = slice(b, b + 1)
+    assert_matches(o[sl], lse[sl], q[sl], k[sl], v[sl], scale=D ** -0.5, mask=mask)
