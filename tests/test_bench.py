@@ -199,6 +199,20 @@ def test_unknown_impl_exits_2(capsys):
   assert "nope" in capsys.readouterr().err
 
 
+@pytest.mark.gpu
+def test_one_small_shape_end_to_end_on_hopper(tmp_path):
+  out = tmp_path / "out"
+  assert cli.main(["--shape", "B=1,T=512,N=2,D=64", "--dtypes", "float16",
+                   "--iterations", "2", "--no-progress", "--out",
+                   str(out)]) == 0
+  _, rows = report.read_json(out / "results.json")
+  cudnn = {r.mode: r for r in rows if r.impl == "cudnn"}
+  assert cudnn["fwd"].status == "ok" and cudnn["fwd"].tflops > 1
+  assert cudnn["fwd"].check_ratio <= 1.0 and len(cudnn["fwd"].times_ms) == 2
+  assert {r.impl for r in rows} == set(impls.IMPLEMENTATIONS)
+  assert (out / "plots" / "single_float16_fwd.png").exists()
+
+
 @pytest.mark.skipif(flash3._device.hopper_device_kind() is not None,
                     reason="tests the path without a Hopper GPU")
 def test_without_hopper_one_line_and_nonzero(tmp_path):
@@ -283,6 +297,18 @@ def test_table_lists_numbers_and_reasons():
   assert any("unsupported: NotImplementedError" in l for l in lines)
 
 
+def test_markdown_summary():
+  text = report.markdown(synthetic_results())
+  lines = text.splitlines()
+  assert lines[0].startswith("| suite | dtype | D | N/K | T | mask | mode | "
+                             "flash3 TFLOP/s | cudnn TFLOP/s | jax-mgpu")
+  assert lines[0].endswith("flash3/cudnn |")
+  assert len(lines) == 2 + 2 * 2 * 3  # (T, mask) x (fwd, fwd+bwd, bwd).
+  row = next(l for l in lines if "| 4096 | causal | fwd+bwd |" in l)
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[-1] == "1.07" and cells[-2] == "-"  # jax-mgpu unsupported.
+
+
 ENV = {"gpu": "NVIDIA H200", "driver": "580.1", "cuda_runtime": "13.0",
        "jax": "0.11.2", "jaxlib": "0.11.2", "cudnn": "9.10.0",
        "flash3": "0.1.0", "git_commit": "abc", "date": "2026-12-01T00:00:00",
@@ -333,8 +359,8 @@ def test_replot_from_json(tmp_path, capsys):
   out = tmp_path / "again"
   assert cli.main(["--replot", str(tmp_path / "r.json"), "--out",
                    str(out)]) == 0
-  assert {p.name for p in out.iterdir()} == {"results.json", "results.csv",
-                                             "table.txt", "plots"}
+  assert {p.name for p in out.iterdir()} == {
+      "results.json", "results.csv", "table.txt", "summary.md", "plots"}
   assert len(list((out / "plots").iterdir())) == 3
   assert "flash3" in capsys.readouterr().out
 

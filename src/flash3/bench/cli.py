@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-tune", action="store_true",
                  help="one block size per contender instead of the best")
   p.add_argument("--out", default="bench-results",
-                 help="directory for results.json, results.csv, table.txt "
-                      "and plots/ (default ./bench-results)")
+                 help="directory for results.json, results.csv, table.txt, "
+                      "summary.md and plots/ (default ./bench-results)")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--list", action="store_true",
@@ -174,7 +174,9 @@ def _emit(results, env, out_dir, plots: bool) -> None:
     f.write(text + "\n")
   report.write_csv(os.path.join(out_dir, "results.csv"), results, env)
   report.write_json(os.path.join(out_dir, "results.json"), results, env)
-  written = ["results.json", "results.csv", "table.txt"]
+  with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    f.write(report.markdown(results) + "\n")
+  written = ["results.json", "results.csv", "table.txt", "summary.md"]
   if plots:
     from flash3.bench import plots as plots_lib
     paths = plots_lib.plot(results, os.path.join(out_dir, "plots"), env)

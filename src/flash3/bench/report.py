@@ -143,3 +143,33 @@ def read_json(path: str) -> tuple[dict, list[Result]]:
   with open(path) as f:
     data = json.load(f)
   return data["environment"], [Result(**d) for d in data["results"]]
+
+
+def markdown(results: Iterable[Result], subject: str = "flash3",
+             baseline: str = "cudnn") -> str:
+  """A Markdown pivot for docs: one line per (case, mode), TFLOP/s per
+  contender (a dash where it has no ok result) and subject/baseline."""
+  results = sorted(results, key=sort_key)
+  impls = sorted({r.impl for r in results},
+                 key=lambda n: (n != subject, n != baseline, n))
+  lines, seen = [], {}
+  for r in results:
+    seen.setdefault((r.case_key(), r.mode), {})[r.impl] = r
+  header = (["suite", "dtype", "D", "N/K", "T", "mask", "mode"]
+            + [f"{i} TFLOP/s" for i in impls] + [f"{subject}/{baseline}"])
+  lines.append("| " + " | ".join(header) + " |")
+  lines.append("|" + "---|" * len(header))
+  for (key, mode), by_impl in seen.items():
+    first = next(iter(by_impl.values()))
+    cells = [first.suite, first.dtype, str(first.head_dim),
+             f"{first.num_heads}/{first.num_kv_heads}",
+             str(first.q_len) if first.q_len == first.kv_len
+             else f"{first.q_len}/{first.kv_len}", first.mask, mode]
+    for i in impls:
+      r = by_impl.get(i)
+      cells.append(_fmt(r.tflops, ".0f") if r is not None
+                   and r.status == "ok" else "-")
+    s = by_impl.get(subject)
+    cells.append(_fmt(s.ratio_to_baseline if s is not None else None, ".2f"))
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
