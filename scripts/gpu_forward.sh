@@ -4,6 +4,6 @@
 set -o pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
-python3 -m pytest -q -m gpu tests/test_forward_kernel.py -p no:cacheprovider -x \
+timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_forward_kernel.py -p no:cacheprovider --maxfail=25 \
   ${1:+-k "$1"} 2>&1 | tee $OUT/gpu_tests.log | tail -40
 python3 scripts/bench_forward.py ${BENCH_ARGS:---quick} 2>&1 | tee $OUT/bench.log
