@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flash3
+from flash3._device import hopper_device_kind
 from flash3.bench import cases as cases_lib
 from flash3.bench import cli
 from flash3.bench import flops as flops_lib
@@ -213,7 +214,7 @@ def test_one_small_shape_end_to_end_on_hopper(tmp_path):
   assert (out / "plots" / "single_float16_fwd.png").exists()
 
 
-@pytest.mark.skipif(flash3._device.hopper_device_kind() is not None,
+@pytest.mark.skipif(hopper_device_kind() is not None,
                     reason="tests the path without a Hopper GPU")
 def test_without_hopper_one_line_and_nonzero(tmp_path):
   proc = subprocess.run(
