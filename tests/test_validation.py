@@ -1,0 +1,311 @@
+"""Input checking of flash3.dot_product_attention (issue 2, item 6).
+
+Every bad argument raises before anything is traced: ValueError for shapes
+and values, TypeError for dtypes, NotImplementedError for an implementation
+that cannot run here. The message names the argument and its value; the
+raising frame is flash3's own code, not a frame deep inside jax.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flash3
+
+B, TQ, TK, N, K, D = 2, 5, 6, 4, 2, 8
+
+
+def qkv(dtype=np.float32, b=B, tq=TQ, tk=TK, n=N, kh=K, d=D):
+  rng = np.random.default_rng(0)
+  return (rng.standard_normal((b, tq, n, d)).astype(dtype),
+          rng.standard_normal((b, tk, kh, d)).astype(dtype),
+          rng.standard_normal((b, tk, kh, d)).astype(dtype))
+
+
+def call(q=None, k=None, v=None, *args, **kw):
+  dq, dk, dv = qkv()
+  q = dq if q is None else q
+  k = dk if k is None else k
+  v = dv if v is None else v
+  kw.setdefault("implementation", "xla")
+  return flash3.dot_product_attention(q, k, v, *args, **kw)
+
+
+def expect(exc, name, *fragments, **kw):
+  """Calls with kw; asserts exc names `name` and each fragment (the value)."""
+  with pytest.raises(exc, match=re.escape(name)) as info:
+    call(**kw)
+  message = str(info.value)
+  for fragment in fragments:
+    assert fragment in message, (fragment, message)
+  raiser = info.traceback[-1].path
+  assert "flash3" in str(raiser), f"raised from {raiser}, not from flash3"
+  return message
+
+
+# ------------------------------------------------------------ shapes
+
+
+def test_query_rank():
+  q = np.zeros((TQ, N * D), np.float32)
+  expect(ValueError, "query", "2", q=q)
+  q5 = np.zeros((1, B, TQ, N, D), np.float32)
+  expect(ValueError, "query", "5", q=q5)
+
+
+def test_key_rank_differs_from_query():
+  _, k, v = qkv()
+  expect(ValueError, "key", k=k[0], v=v[0])
+
+
+@pytest.mark.parametrize("which, shape", [
+    ("batch", (B + 1, TK, K, D)),
+    ("head_dim", (B, TK, K, D + 1)),
+])
+def test_key_mismatches_query(which, shape):
+  k = np.zeros(shape, np.float32)
+  expect(ValueError, "key", str(shape[0] if which == "batch" else shape[3]),
+         k=k, v=k)
+
+
+def test_value_shape_differs_from_key():
+  v = np.zeros((B, TK + 1, K, D), np.float32)
+  expect(ValueError, "value", str(TK + 1), v=v)
+
+
+def test_heads_not_a_multiple_of_key_heads():
+  q = np.zeros((B, TQ, 4, D), np.float32)
+  k = np.zeros((B, TK, 3, D), np.float32)
+  expect(ValueError, "key", "3", "4", q=q, k=k, v=k)
+
+
+@pytest.mark.parametrize("name", ["bias", "mask"])
+@pytest.mark.parametrize("shape", [(B, N, TQ, TK + 1), (3, N, TQ, TK),
+                                   (B, 3, TQ, TK), (1, B, N, TQ, TK)])
+def test_bias_and_mask_must_broadcast(name, shape):
+  x = np.zeros(shape, bool if name == "mask" else np.float32)
+  expect(ValueError, name, str(shape), **{name: x})
+
+
+@pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])
+def test_lengths_shape(name):
+  expect(ValueError, name, "(3,)", **{name: np.array([1, 1, 1], np.int32)})
+  expect(ValueError, name, **{name: np.array([[1, 1]], np.int32)})
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("query_seq_lengths", [2, -1]), ("query_seq_lengths", [TQ + 1, 0]),
+    ("key_value_seq_lengths", [-3, 2]), ("key_value_seq_lengths", [1, TK + 1]),
+])
+def test_lengths_out_of_range(name, bad):
+  wrong = [x for x in bad if x < 0 or x > (TQ if name[0] == "q" else TK)][0]
+  expect(ValueError, name, str(wrong), **{name: np.array(bad, np.int32)})
+
+
+def test_lengths_at_the_bounds_are_legal():
+  out = call(query_seq_lengths=np.array([0, TQ], np.int32),
+             key_value_seq_lengths=np.array([TK, 0], np.int32))
+  assert out.shape == (B, TQ, N, D)
+
+
+@pytest.mark.parametrize("window", [-1, (-1, 2), (2, -5)])
+def test_negative_window(window):
+  bad = window if isinstance(window, int) else min(window)
+  expect(ValueError, "local_window_size", str(bad), local_window_size=window)
+
+
+def test_window_tuple_of_three():
+  expect(ValueError, "local_window_size", local_window_size=(1, 2, 3))
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("query_segment_ids", (B, TQ + 1)), ("key_value_segment_ids", (B, TK - 1)),
+    ("query_segment_ids", (B + 1, TQ)), ("key_value_segment_ids", (TK,)),
+])
+def test_segment_id_shapes(name, shape):
+  ids = {"query_segment_ids": np.zeros((B, TQ), np.int32),
+         "key_value_segment_ids": np.zeros((B, TK), np.int32)}
+  ids[name] = np.zeros(shape, np.int32)
+  expect(ValueError, name, str(shape), **ids)
+
+
+@pytest.mark.parametrize("given", ["query_segment_ids", "key_value_segment_ids"])
+def test_segment_ids_come_in_pairs(given):
+  ids = np.zeros((B, TQ if given[0] == "q" else TK), np.int32)
+  with pytest.raises(ValueError, match="segment_ids"):
+    call(**{given: ids})
+
+
+@pytest.mark.parametrize("shape", [(N - 1,), (1, N), ()])
+def test_sinks_shape(shape):
+  expect(ValueError, "sinks", str(shape), sinks=np.zeros(shape, np.float32))
+
+
+# ------------------------------------------------------------ values
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_scale_not_finite(scale):
+  expect(ValueError, "scale", str(scale), scale=scale)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("nan")])
+def test_soft_cap_must_be_positive(cap):
+  expect(ValueError, "logits_soft_cap", str(cap), logits_soft_cap=cap)
+
+
+def test_causal_alignment_unknown():
+  expect(ValueError, "causal_alignment", "'center'", causal_alignment="center")
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "pallas", ""])
+def test_implementation_unknown(impl):
+  expect(ValueError, "implementation", repr(impl), implementation=impl)
+
+
+# ------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
+def test_query_dtype(dtype):
+  q, k, v = qkv(dtype=dtype)
+  expect(TypeError, "query", np.dtype(dtype).name, q=q, k=k, v=v)
+
+
+def test_float64_rejected_under_x64():
+  with jax.enable_x64(True):
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv())
+    expect(TypeError, "query", "float64", q=q, k=k, v=v)
+
+
+@pytest.mark.parametrize("name", ["key", "value"])
+def test_key_value_dtype_must_match_query(name):
+  q, k, v = qkv()
+  args = dict(q=q, k=k, v=v)
+  args[name[0]] = args[name[0]].astype(jnp.bfloat16)
+  expect(TypeError, name, "bfloat16", **args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_accepted_dtypes(dtype):
+  q, k, v = (jnp.asarray(x, dtype) for x in qkv())
+  out = call(q, k, v, is_causal=True)
+  assert out.dtype == dtype and out.shape == q.shape
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_mask_dtype():
+  expect(TypeError, "mask", "float32",
+         mask=np.ones((B, N, TQ, TK), np.float32))
+
+
+@pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])
+def test_lengths_dtype(name):
+  expect(TypeError, name, "float32", **{name: np.array([1.0, 2.0], np.float32)})
+
+
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+def test_segment_ids_dtype(name):
+  ids = {"query_segment_ids": np.zeros((B, TQ), np.int32),
+         "key_value_segment_ids": np.zeros((B, TK), np.int32)}
+  ids[name] = ids[name].astype(np.float32)
+  expect(TypeError, name, "float32", **ids)
+
+
+# ------------------------------------------------------------ before tracing
+
+
+def test_shape_errors_surface_unchanged_under_jit():
+  q, k, v = qkv()
+  f = jax.jit(lambda q, k, v: flash3.dot_product_attention(
+      q, k, v, implementation="xla"))
+  with pytest.raises(ValueError, match="key") as info:
+    f(q, k[:, :, :1, :5], v[:, :, :1, :5])
+  assert "flash3" in str(info.traceback[-1].path)
+
+
+def test_validation_does_not_trace_the_computation():
+  # A bad call must fail in the checks, before any jax primitive runs:
+  # nothing reaches a jaxpr being traced around it.
+  q, k, v = qkv()
+  seen = []
+
+  def f(q):
+    seen.append(1)
+    return flash3.dot_product_attention(q, k, v, implementation="xla",
+                                        scale=float("nan"))
+
+  with pytest.raises(ValueError, match="scale"):
+    jax.make_jaxpr(f)(q)
+  assert seen == [1]
+
+
+# ------------------------------------------------------------ empty arrays
+
+
+@pytest.mark.parametrize("b, tq, tk", [(B, 0, TK), (0, TQ, TK), (B, 0, 0),
+                                       (0, 0, 0)])
+def test_empty_inputs_give_empty_outputs(b, tq, tk):
+  q, k, v = qkv(b=b, tq=tq, tk=tk)
+  kw = {}
+  if b:
+    kw["key_value_seq_lengths"] = np.full((b,), tk, np.int32)
+  out, lse = call(q, k, v, is_causal=True, return_residual=True, **kw)
+  assert out.shape == (b, tq, N, D) and out.dtype == jnp.float32
+  assert lse.shape == (b, tq, N) and lse.dtype == jnp.float32
+  g = jax.grad(lambda q: jnp.sum(call(q, k, v)))(q)
+  assert g.shape == q.shape
+
+
+# ------------------------------------------------------------ implementation
+
+
+def test_mosaic_on_cpu_is_not_implemented():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  with pytest.raises(NotImplementedError, match=r"(?i)hopper|gpu|device") as info:
+    call(implementation="mosaic")
+  assert "flash3" in str(info.traceback[-1].path)
+
+
+def test_implementation_none_on_cpu_warns_once_and_uses_xla():
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  # A fresh interpreter, so that no earlier test has used up the warning.
+  script = textwrap.dedent("""
+      import warnings
+      import numpy as np
+      import flash3
+      rng = np.random.default_rng(0)
+      q = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
+      k = rng.standard_normal((1, 5, 1, 4)).astype(np.float32)
+      with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always")
+          a = flash3.dot_product_attention(q, k, k, is_causal=True)
+          b = flash3.dot_product_attention(q[:, :2], k, k, is_causal=True)
+      x = flash3.dot_product_attention(q, k, k, is_causal=True,
+                                       implementation="xla")
+      mine = [w for w in caught if issubclass(w.category, UserWarning)]
+      print("COUNT", len(mine))
+      for w in mine:
+          print("MESSAGE", str(w.message).replace(chr(10), " "))
+      print("EQUAL", bool((np.asarray(a) == np.asarray(x)).all()))
+      """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, env=env, timeout=120)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert "COUNT 1" in lines, result.stdout
+  message = [l for l in lines if l.startswith("MESSAGE")][0]
+  assert re.search(r"(?i)xla", message) and re.search(r"(?i)gpu|hopper", message)
+  assert "EQUAL True" in lines
