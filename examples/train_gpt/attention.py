@@ -44,7 +44,7 @@ def describe(implementation: str) -> str:
     if flash3_api() is None:
       return "flash3 API not available yet: jax.nn.dot_product_attention (XLA/cuDNN) stands in"
     if reason is not None:
-      return f"flash3 on the XLA path ({reason})"
+      return f"flash3 on the XLA path: {reason}"
     return "flash3 Mosaic GPU kernels (FlashAttention-3)"
   if implementation == "cudnn":
     return "cuDNN fused attention (jax.nn / jax cuDNN wrapper)"
