@@ -18,6 +18,11 @@ py="$root/.venv/bin/python"
 if "$py" -c 'from flash3._device import hopper_device_kind as h; raise SystemExit(h() is None)'; then
   preset=h200
   echo "flash3 demo: Hopper GPU found: T=4096, a few hundred steps with flash3's kernels" >&2
+  # Packed documents only once the kernels take segment ids; else flash3 would use XLA.
+  if ! "$py" -m examples.train_gpt.probe flash3; then
+    echo "flash3 demo: training without segment ids (attention crosses file boundaries)" >&2
+    set -- --no-segments "$@"
+  fi
 else
   preset=cpu
   echo "flash3 demo: no Hopper GPU here, so a tiny model with attention on the XLA path" \
