@@ -26,6 +26,7 @@ import math
 import os
 import pathlib
 import sys
+import textwrap
 import time
 import warnings
 
@@ -149,8 +150,8 @@ def plot(log: dict, path: pathlib.Path) -> None:
             "o-", label="held-out (other files)")
   ax.set_xlabel("step")
   ax.set_ylabel("next-byte loss (nats)")
-  ax.set_title(f"byte-level GPT on the Python stdlib, attention: {log['attention']}",
-               fontsize=9)
+  ax.set_title("byte-level GPT on the Python stdlib\n" + textwrap.fill(
+      f"attention: {log['attention']}", 90), fontsize=8)
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
