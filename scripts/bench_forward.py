@@ -31,8 +31,10 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--T", type=int, nargs="*", help="sequence lengths to run")
   args = ap.parse_args()
   Ts = (1024, 4096, 16384) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
+  Ts = tuple(args.T) if args.T else Ts
   dtypes = (jnp.bfloat16,) if args.quick else (jnp.float16, jnp.bfloat16)
   print("| dtype | D | T | causal | config | ours TFLOP/s | cudnn TFLOP/s | ratio |")
   print("|---|---|---|---|---|---|---|---|")

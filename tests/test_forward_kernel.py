@@ -405,7 +405,8 @@ def test_gpu_e11_tiny_lengths(T, mask):
 @pytest.mark.parametrize("Tq,Tk", [(200, 150), (150, 200)])
 def test_gpu_e12_window_edges(causal, Tq, Tk):
   q, k, v = make_qkv(jax.random.key(12), 1, Tq, Tk, 1, 1, 64, jnp.bfloat16)
-  for left, right in itertools.product((0, 1, Tk - 1, Tk, Tk + 1), repeat=2):
+  edges = ((0, 0), (1, 1), (0, Tk + 1), (Tk - 1, 0), (Tk, 1), (Tk + 1, Tk))
+  for left, right in edges:
     for alignment in ("top_left", "bottom_right"):
       mask = MaskSpec(causal=causal, alignment=alignment, window_left=left,
                       window_right=right)

@@ -17,8 +17,12 @@ mask, and applies the elementwise mask (``MaskSpec.visible`` on iotas, plus
 ``key < Tk`` for the ragged last tile) only on the boundary tiles.
 
 Ragged lengths: TMA zero-fills loads past Tq / Tk and drops stores past Tq,
-so no padded copy of q, k, v or o exists; the tail of the last key tile is
-masked to -inf in-kernel. Element offsets past 2**31 are safe because TMA
+so lengths that are multiples of 8 (any multiple, not of the blocks) need no
+padded copy of q, k, v or o; the tail of the last key tile is masked to -inf
+in-kernel. Mosaic GPU's swizzled TMA views a length T > 8 as (T / 8, 8) rows,
+so a length that is not a multiple of 8 is zero-padded to one in device
+memory first (one extra copy of q, or of k and v, and o sliced back); the
+kernel still masks with the true lengths. Element offsets past 2**31 are safe because TMA
 addresses by per-dimension coordinates from a 64-bit base.
 
 Head dims that are not a multiple of 64 are zero-padded to the next multiple
@@ -48,6 +52,7 @@ MAX_HEAD_DIM = 256
 # CUDA grid limits: heads run on x (2**31 - 1), query tiles on y and batch on z.
 MAX_GRID_YZ = 65535
 HEAD_DIM_MULTIPLE = 64  # D is padded up to this (one 128-byte swizzle row).
+ROW_TILE = 8  # Rows of one swizzled smem tile; TMA lengths must be multiples.
 
 
 def _round_up(x: int, m: int) -> int:
@@ -125,9 +130,17 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   _, Tq, _, D = q.shape
   Tk = k.shape[1]
   d_pad = _round_up(D, HEAD_DIM_MULTIPLE)
-  if d_pad != D:
-    pad = ((0, 0), (0, 0), (0, 0), (0, d_pad - D))
-    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+  # Mosaic GPU's tiled TMA views a length T > 8 as (T / 8, 8) rows, so a T
+  # that is not a multiple of 8 cannot be described; only then is the tensor
+  # zero-padded to the next multiple of 8 (the kernel still masks with the
+  # true Tk and the padded query rows are sliced off).
+  tq_pad = Tq if Tq <= 8 else _round_up(Tq, ROW_TILE)
+  tk_pad = Tk if Tk <= 8 else _round_up(Tk, ROW_TILE)
+  if d_pad != D or tq_pad != Tq:
+    q = jnp.pad(q, ((0, 0), (0, tq_pad - Tq), (0, 0), (0, d_pad - D)))
+  if d_pad != D or tk_pad != Tk:
+    pad = ((0, 0), (0, tk_pad - Tk), (0, 0), (0, d_pad - D))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   if config is None:
     config = forward_config(d_pad, q.dtype, mask, Tq, Tk)
   interpret_params = common.interpret_params(interpret)
@@ -135,9 +148,9 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
   o, lse = _forward(q, k, v, scale=scale, mask=mask, config=config,
-                    interpret=interpret_params)
-  if d_pad != D:
-    o = o[..., :D]
+                    interpret=interpret_params, q_len=Tq, kv_len=Tk)
+  if d_pad != D or tq_pad != Tq:
+    o = o[:, :Tq, :, :D]
   return o, lse[:, :, :Tq]
 
 
@@ -145,11 +158,14 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
   return max(1, min(config.num_stages, -(-kv_len // config.block_kv)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "mask", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "mask", "config", "interpret", "q_len", "kv_len"))
 def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
-             interpret: Any):
-  B, Tq, N, D = q.shape
-  _, Tk, K, _ = k.shape
+             interpret: Any, q_len: int, kv_len: int):
+  """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer)."""
+  B, Tq_buf, N, D = q.shape
+  _, Tk_buf, K, _ = k.shape
+  Tq, Tk = q_len, kv_len
   dtype = q.dtype
   block_q, block_kv = config.block_q, config.block_kv
   stages = _num_stages(config, Tk)
@@ -187,7 +203,7 @@ def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
       lambda q_ref, k_ref, v_ref, o_ref, lse_ref: pl.run_scoped(
           lambda **s: body(q_ref, k_ref, v_ref, o_ref, lse_ref, s),
           **scratch, collective_axes="wg"),
-      out_type=(jax.ShapeDtypeStruct((B, Tq, N, D), dtype),
+      out_type=(jax.ShapeDtypeStruct((B, Tq_buf, N, D), dtype),
                 jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
       grid=(N, num_q_ctas, B),
       grid_names=("heads", "q_tiles", "batch"),
@@ -257,9 +273,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
     D = q_smem.shape[-1]
 
     def compute_step(t, carry, *, masked: bool):
+      # K of tile t was waited for already: by the previous compute step,
+      # while its P @ V ran, or before the first compute step.
       acc, m, l = carry
       slot = slot_of(t)
-      plgpu.barrier_wait(smem["k_loaded"].at[slot])
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
                              (block_q, block_kv), while_running=schedule_sync)
       plgpu.barrier_arrive(smem["k_free"].at[slot])
@@ -302,8 +319,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
       else:
         release_softmax()
         l = l + p.sum(axis=1)
+      def wait_next_k():
+        @pl.when(t + 1 < w_hi)
+        def _():
+          plgpu.barrier_wait(smem["k_loaded"].at[slot_of(t + 1)])
+
       acc = common.accumulate_register_lhs(acc, p16, smem["v"].at[slot],
-                                           staging=p_stage)
+                                           staging=p_stage,
+                                           while_running=wait_next_k)
       plgpu.barrier_arrive(smem["v_free"].at[slot])
       return acc, m_new, l
 
@@ -326,6 +349,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
     # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0.
     pl.when(wg == 1)(schedule_sync)
     lax.fori_loop(t_lo, w_lo, skip_step, None)
+
+    @pl.when(w_lo < w_hi)
+    def _():
+      plgpu.barrier_wait(smem["k_loaded"].at[slot_of(w_lo)])
+
     carry = (acc, m, l)
     carry = lax.fori_loop(w_lo, m1, functools.partial(compute_step, masked=True), carry)
     carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
