@@ -459,9 +459,14 @@ def test_e05_causal_with_unequal_lengths(Tq, Tk, alignment):
                  causal_alignment=alignment)
 
 
-@pytest.mark.parametrize("poison", [np.nan, np.inf, 1e30])
-@pytest.mark.parametrize("source", ["lengths", "mask", "segments", "causal"])
-def test_e07_poisoned_hidden_keys_and_values(source, poison):
+E07_CASES = ([(s, p, False) for s in ["lengths", "mask", "segments", "causal"]
+              for p in [np.nan, np.inf, 1e30]]
+             + [(s, np.nan, True) for s in ["lengths", "mask", "segments", "causal"]])
+
+
+@pytest.mark.parametrize("source, poison, extras", E07_CASES)
+def test_e07_poisoned_hidden_keys_and_values(source, poison, extras):
+  """extras: also a soft cap, a bias and sinks (tanh must not see the poison)."""
   rng = np.random.default_rng(11)
   B, Tq, Tk, N, K, D = 2, 5, 7, 4, 2, 8
   q, k, v = rand_qkv(rng, B, Tq, Tk, N, K, D)
@@ -486,14 +491,18 @@ def test_e07_poisoned_hidden_keys_and_values(source, poison):
     hidden_k[:, Tq:] = True
   cot = rng.standard_normal(q.shape).astype(np.float32)
   cot[hidden_q] = 0
-  names = ["query", "key", "value"]
-  clean_o, clean_lse = flash(q, k, v, **kw)
-  clean_g = flash_grads(q, k, v, None, None, cot, **kw)
+  bias = sinks = None
+  if extras:
+    kw["logits_soft_cap"] = 2.0
+    bias = rng.standard_normal((1, N, Tq, Tk)).astype(np.float32)
+    sinks = rng.standard_normal(N).astype(np.float32)
+  clean_o, clean_lse = flash(q, k, v, bias, sinks=sinks, **kw)
+  clean_g = flash_grads(q, k, v, bias, sinks, cot, **kw)
 
   kp, vp, qp = k.copy(), v.copy(), q.copy()
   kp[hidden_k], vp[hidden_k], qp[hidden_q] = poison, poison, poison
-  dirty_o, dirty_lse = flash(qp, kp, vp, **kw)
-  dirty_g = flash_grads(qp, kp, vp, None, None, cot, **kw)
+  dirty_o, dirty_lse = flash(qp, kp, vp, bias, sinks=sinks, **kw)
+  dirty_g = flash_grads(qp, kp, vp, bias, sinks, cot, **kw)
 
   np.testing.assert_allclose(dirty_o, clean_o, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(dirty_lse, clean_lse, rtol=1e-6, atol=1e-7)
@@ -505,6 +514,11 @@ def test_e07_poisoned_hidden_keys_and_values(source, poison):
     np.testing.assert_allclose(dirty_g[name][~hidden_k], clean_g[name][~hidden_k],
                                rtol=1e-5, atol=1e-6)
     assert np.isfinite(dirty_g[name][~hidden_k]).all()
+  if extras:
+    for name in ("sinks", "bias"):
+      assert np.isfinite(dirty_g[name]).all(), name
+      np.testing.assert_allclose(dirty_g[name], clean_g[name], rtol=1e-5,
+                                 atol=1e-6)
 
 
 @pytest.mark.parametrize("T, is_causal", [(1, False), (2, True), (3, False),

@@ -309,3 +309,43 @@ def test_implementation_none_on_cpu_warns_once_and_uses_xla():
   message = [l for l in lines if l.startswith("MESSAGE")][0]
   assert re.search(r"(?i)xla", message) and re.search(r"(?i)gpu|hopper", message)
   assert "EQUAL True" in lines
+
+
+# ------------------------------------------------------------ Python lists
+
+LIST_ARGS = {
+    "query_seq_lengths": np.array([3, 5], np.int32),
+    "key_value_seq_lengths": np.array([6, 2], np.int32),
+    "sinks": np.array([0.5, 1.0, -1.0, 0.0], np.float32),
+    "bias": np.zeros((TQ, TK), np.float32),
+    "mask": np.tril(np.ones((TQ, TK), bool)),
+}
+
+
+@pytest.mark.parametrize("name", list(LIST_ARGS))
+def test_python_lists_work_like_arrays_or_fail_clearly(name):
+  # jax.nn takes these through jnp.asarray, so lists work there; flash3 must
+  # either do the same or reject them with a message naming the argument.
+  array = LIST_ARGS[name]
+  want = call(**{name: array})
+  try:
+    got = call(**{name: array.tolist()})
+  except TypeError as e:
+    assert name in str(e), f"TypeError does not name {name}: {e}"
+    frames = [str(f.path) for f in pytest.ExceptionInfo.from_exception(e).traceback]
+    assert "flash3" in frames[-1], f"raised from {frames[-1]}"
+  else:
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_segment_ids_as_lists_work_or_fail_clearly():
+  q_ids = [[0, 0, 1, 1, 1], [0] * TQ]
+  kv_ids = [[0, 1, 1, 1, 1, 1], [0] * TK]
+  want = call(query_segment_ids=np.array(q_ids, np.int32),
+              key_value_segment_ids=np.array(kv_ids, np.int32))
+  try:
+    got = call(query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+  except TypeError as e:
+    assert "segment_ids" in str(e), str(e)
+  else:
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
