@@ -296,8 +296,8 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       for bars in (q_bars, do_bars, lse_bars, delta_bars):
         plgpu.barrier_wait(bars.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
-      lse2_row = plgpu.load(lse_smem, (), layout=row)
-      delta_row = plgpu.load(delta_smem, (), layout=row)
+      lse2_row = plgpu.load(lse_smem, layout=row)
+      delta_row = plgpu.load(delta_smem, layout=row)
       t_lo, a, b_full, t_hi = _own_sections(plan_of(q_lo), cta_lo, cta_hi)
 
       def step(t, dq, masked: bool):
@@ -452,7 +452,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         plgpu.barrier_wait(q_bars.at[slot])
         plgpu.barrier_wait(lse_bars.at[slot])
         sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), (bk, bq))
-        lse2_col = plgpu.load(lse_ring.at[slot], (), layout=col)
+        lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
         pT = jnp.exp2(sT * log2e_scale - lax.broadcast_in_dim(lse2_col, sT.shape, [1]))
         if masked:
           k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, sT.shape, 0,
@@ -469,7 +469,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                                               staging=staging)
         if want_dk:
           dpT = common.matmul_smem(v_smem, do_smem.transpose((1, 0)), (bk, bq))
-          delta_col = plgpu.load(delta_ring.at[slot], (), layout=col)
+          delta_col = plgpu.load(delta_ring.at[slot], layout=col)
           dsT = pT * (dpT - lax.broadcast_in_dim(delta_col, dpT.shape, [1]))
           if masked:  # Select, so NaN/inf in masked rows cannot leak.
             dsT = jnp.where(keep, dsT, 0.0)
