@@ -148,6 +148,14 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   if not isinstance(return_residual, (bool, np.bool_)):
     raise TypeError(f"return_residual={return_residual!r}; allowed: True or False")
 
+  # Python lists and tuples are arrays to jax.nn; take them the same way.
+  as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
+  bias, mask, sinks = as_array(bias), as_array(mask), as_array(sinks)
+  query_seq_lengths = as_array(query_seq_lengths)
+  key_value_seq_lengths = as_array(key_value_seq_lengths)
+  query_segment_ids = as_array(query_segment_ids)
+  key_value_segment_ids = as_array(key_value_segment_ids)
+
   names = ("query", "key", "value")
   arrays = (query, key, value)
   for name, x in zip(names, arrays):
