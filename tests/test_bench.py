@@ -496,6 +496,24 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
   assert calls == [3, 3]  # Only the correct contender was timed.
 
 
+def test_runner_checkpoints_each_case_and_honours_time_budget(monkeypatch, capsys):
+  monkeypatch.setattr(timing, "measure", lambda fn, args, iterations, warmup:
+                      timing.Timing((1.0,) * iterations))
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)  # noqa: E731
+  cases = [Case("t", 1, 64, 64, 2, 2, 32, "bfloat16", causal=False),
+           Case("t", 1, 128, 128, 2, 2, 32, "bfloat16", causal=False)]
+  saved = []
+  options = runner.Options(iterations=2, modes=("fwd",))
+  rows = runner.run(cases, [_stand_in("cudnn", xla)], options,
+                    checkpoint=lambda rows: saved.append(len(rows)))
+  assert saved == [1, 2] and len(rows) == 2
+  saved.clear()
+  rows = runner.run(cases, [_stand_in("cudnn", xla)], options,
+                    checkpoint=lambda rows: saved.append(len(rows)), time_budget_s=-1)
+  assert rows == [] and saved == []
+  assert "2 cases not run" in capsys.readouterr().err
+
+
 def test_select_implementations():
   assert [i.name for i in impls.select(None)] == [
       "flash3", "cudnn", "xla", "jax-mgpu", "tokamax"]

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
   p.add_argument("--no-plots", action="store_true")
+  p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                 help="start no new case after this many seconds; results so "
+                      "far are written after every case either way")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--list", action="store_true",
                  help="print the cases and exit (no GPU needed)")
@@ -217,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
   env = report.environment(argv)
   options = runner.Options(iterations=args.iterations, warmup=args.warmup,
                            tune=not args.no_tune, modes=tuple(args.modes))
+  os.makedirs(args.out, exist_ok=True)
+  partial = os.path.join(args.out, "results.json")
   results = runner.run(selected, impls, options,
-                       progress=_progress(args.no_progress))
+                       progress=_progress(args.no_progress),
+                       checkpoint=lambda rows: report.write_json(partial, rows, env),
+                       time_budget_s=args.time_budget)
   _emit(results, env, args.out, not args.no_plots)
   return 0

@@ -137,13 +137,22 @@ def _better(a: dict, b: dict) -> bool:
 
 
 def run(cases: Iterable[Case], implementations: list[impls.Implementation],
-        options: Options, progress: Callable | None = None) -> list[Result]:
+        options: Options, progress: Callable | None = None,
+        checkpoint: Callable[[list[Result]], None] | None = None,
+        time_budget_s: float | None = None) -> list[Result]:
   """Every case on every contender; backward-alone rows and ratios added.
 
   Args:
     progress: wraps the list of cases (e.g. tqdm); gets ``set_postfix_str``
       calls when it has that method.
+    checkpoint: called with the rows so far after each case, so a run that is
+      cut off still leaves its results.
+    time_budget_s: start no new case after this many seconds (the cases left
+      are reported as skipped on stderr).
   """
+  import sys
+  import time
+  start = time.monotonic()
   cases = list(cases)
   unavailable = {}
   for impl in implementations:
@@ -153,9 +162,15 @@ def run(cases: Iterable[Case], implementations: list[impls.Implementation],
   iterator = progress(cases) if progress is not None else cases
   on_step = getattr(iterator, "set_postfix_str", None) or (lambda s: None)
   rows = []
-  for case in iterator:
+  for done, case in enumerate(iterator):
+    if time_budget_s is not None and time.monotonic() - start > time_budget_s:
+      print(f"flash3-bench: time budget of {time_budget_s:.0f} s spent; "
+            f"{len(cases) - done} cases not run", file=sys.stderr)
+      break
     rows += run_case(case, implementations, options, unavailable,
                      on_step=lambda s: on_step(s[:60]))
+    if checkpoint is not None:
+      checkpoint(rows)
   rows += results_lib.derive_backward(rows)
   results_lib.add_ratios(rows, impls.BASELINE)
   return rows
