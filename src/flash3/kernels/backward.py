@@ -392,10 +392,13 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
 
 def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-              interpret, outputs: tuple[str, ...]):
+              interpret, outputs: tuple[str, ...], release_early: bool = False):
   """Returns dk and/or dv (``outputs`` names which) in the input dtype.
 
   q_len, kv_len are the true lengths; the arrays may be longer (padded).
+  ``release_early`` is for tests only: it releases each streamed slot before
+  its last read (the delta load), a deliberate race that race detection in
+  interpret mode must report.
   """
   batch, _, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -469,13 +472,16 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                                               staging=staging)
         if want_dk:
           dpT = common.matmul_smem(v_smem, do_smem.transpose((1, 0)), (bk, bq))
+          if release_early:
+            plgpu.barrier_arrive(consumed.at[slot])
           delta_col = plgpu.load(delta_ring.at[slot], layout=col)
           dsT = pT * (dpT - lax.broadcast_in_dim(delta_col, dpT.shape, [1]))
           if masked:  # Select, so NaN/inf in masked rows cannot leak.
             dsT = jnp.where(keep, dsT, 0.0)
           dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
                                               staging=staging)
-        plgpu.barrier_arrive(consumed.at[slot])
+        if not (release_early and want_dk):
+          plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 
       def head(g, carry):
