@@ -445,3 +445,298 @@ def test_gpu_offsets_beyond_2_pow_31(mask):
   for b in (0, B - 1):
     sl = slice(b, b + 1)
     assert_matches(o[sl], lse[sl], q[sl], k[sl], v[sl], scale=D ** -0.5, mask=mask)
+
+
+# ----------------------------------------------------------------------------
+# Issue 6: lengths, soft cap, sinks (against flash3.reference)
+# ----------------------------------------------------------------------------
+
+from flash3.kernels.forward import SUPPORTED_FEATURES  # noqa: E402
+from flash3.reference import attention_reference  # noqa: E402
+
+
+def _low_precision_o(q, k, v, *, scale, mask, opts):
+  """o by the reference's math with scores and P @ V in the input dtype."""
+  B, Tq, N, D = q.shape
+  Tk, K = k.shape[1], k.shape[2]
+  dt = q.dtype
+  kr = jnp.repeat(k, N // K, axis=2)
+  vr = jnp.repeat(v, N // K, axis=2)
+  keep = dense_mask(mask, Tq, Tk,
+                    query_seq_lengths=opts.get("q_lengths"),
+                    key_value_seq_lengths=opts.get("kv_lengths"),
+                    query_segment_ids=opts.get("q_segment_ids"),
+                    key_value_segment_ids=opts.get("kv_segment_ids"))
+  k_alive = jnp.broadcast_to(keep, (B, 1, Tq, Tk)).any(axis=(1, 2))
+  vr = jnp.where(k_alive[:, :, None, None], vr, 0)
+  s = (jnp.einsum("bqnd,bknd->bnqk", q, kr).astype(dt) * scale).astype(jnp.float32)
+  if opts.get("softcap") is not None:
+    c = opts["softcap"]
+    s = (c * jnp.tanh(s / c)).astype(dt).astype(jnp.float32)
+  s = jnp.where(keep, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  sinks = opts.get("sinks")
+  if sinks is not None:
+    m = jnp.maximum(m, sinks[None, :, None, None])
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(keep, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sinks[None, :, None, None] - m)
+  p = p / jnp.where(l > 0, l, 1.0)
+  return jnp.einsum("bnqk,bknd->bqnd", p.astype(dt), vr).astype(jnp.float32)
+
+
+def assert_matches_opts(o, lse, q, k, v, *, scale, mask, factor=3.0, atol=2e-3,
+                        **opts):
+  """FlashAttention-3's rule against ``flash3.reference.attention_reference``."""
+  o = np.asarray(o.astype(jnp.float32))
+  lse = np.asarray(lse)
+  assert not np.isnan(o).any(), "NaN in o"
+  assert not np.isnan(lse).any(), "NaN in lse"
+  ref_o, ref_lse = attention_reference(
+      q, k, v, scale=scale, spec=mask,
+      query_seq_lengths=opts.get("q_lengths"),
+      key_value_seq_lengths=opts.get("kv_lengths"),
+      query_segment_ids=opts.get("q_segment_ids"),
+      key_value_segment_ids=opts.get("kv_segment_ids"),
+      logits_soft_cap=opts.get("softcap"), sinks=opts.get("sinks"))
+  # The reference returns o in q.dtype: recompute its float32 o for the yardstick.
+  ref_o32, _ = attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+      scale=scale, spec=mask,
+      query_seq_lengths=opts.get("q_lengths"),
+      key_value_seq_lengths=opts.get("kv_lengths"),
+      query_segment_ids=opts.get("q_segment_ids"),
+      key_value_segment_ids=opts.get("kv_segment_ids"),
+      logits_soft_cap=opts.get("softcap"), sinks=opts.get("sinks"))
+  ref_o32 = np.asarray(ref_o32)
+  ref_lse = np.asarray(ref_lse).transpose(0, 2, 1)  # (B, N, Tq) like the kernel
+  low_o = np.asarray(_low_precision_o(q, k, v, scale=scale, mask=mask, opts=opts))
+  low_err = float(np.max(np.abs(low_o - ref_o32))) if o.size else 0.0
+  err = float(np.max(np.abs(o - ref_o32))) if o.size else 0.0
+  assert err <= factor * low_err + atol, (
+      f"o max error {err:.3g} > {factor} * {low_err:.3g} + {atol}")
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  live = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[live], ref_lse[live], rtol=1e-4, atol=1e-3)
+  # Rows that see no key: o exactly 0.
+  B, Tq, N, _ = q.shape
+  keep = dense_mask(mask, Tq, k.shape[1],
+                    query_seq_lengths=opts.get("q_lengths"),
+                    key_value_seq_lengths=opts.get("kv_lengths"),
+                    query_segment_ids=opts.get("q_segment_ids"),
+                    key_value_segment_ids=opts.get("kv_segment_ids"))
+  dead = ~np.asarray(jnp.broadcast_to(keep, (B, 1, Tq, k.shape[1])).any(-1))[:, 0]
+  assert np.all(o[dead] == 0), "rows that see no key are not 0"
+  return err, low_err
+
+
+def run_interpret_opts(q, k, v, *, scale, mask, config=None, detect_races=False,
+                       **opts):
+  try:
+    out = attention_forward(q, k, v, scale=scale, mask=mask, config=config,
+                            interpret=interpret_params(detect_races), **opts)
+    jax.block_until_ready(out)
+  except Exception:
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    raise
+  return out
+
+
+def _lengths(seed, B, T, lo=0):
+  return jax.random.randint(jax.random.key(seed), (B,), lo, T + 1, jnp.int32)
+
+
+def test_supported_features_names():
+  assert SUPPORTED_FEATURES <= {"lengths", "segments", "softcap", "sinks"}
+  assert {"lengths", "softcap", "sinks"} <= SUPPORTED_FEATURES
+
+
+def test_option_argument_errors():
+  x = jnp.zeros((2, 8, 2, 64), jnp.bfloat16)
+  call = lambda **kw: attention_forward(x, x, x, scale=1.0, mask=NO_MASK,
+                                        interpret=True, **kw)
+  with pytest.raises(ValueError, match="q_lengths"):
+    call(q_lengths=jnp.array([1, 2, 3], jnp.int32))
+  with pytest.raises(ValueError, match="kv_lengths"):
+    call(kv_lengths=jnp.array([1.0, 2.0]))
+  with pytest.raises(ValueError, match="softcap"):
+    call(softcap=0.0)
+  with pytest.raises(ValueError, match="sinks"):
+    call(sinks=jnp.zeros((3,)))
+  with pytest.raises(ValueError, match="together"):
+    call(q_segment_ids=jnp.zeros((2, 8), jnp.int32))
+
+
+WL = MaskSpec(window_left=20, window_right=5)
+WBR = MaskSpec(causal=True, alignment="bottom_right", window_left=30)
+
+OPTION_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, options (lengths as (q, kv) lists)
+    ("len-none", 2, 150, 200, 1, 1, 64, jnp.bfloat16, NO_MASK,
+     dict(q_lengths=[150, 37], kv_lengths=[101, 200])),
+    ("len-tl", 2, 130, 200, 1, 1, 64, jnp.float16, CAUSAL_TL,
+     dict(q_lengths=[90, 130], kv_lengths=[200, 65])),
+    ("len-br-gqa", 2, 130, 200, 2, 1, 64, jnp.bfloat16, CAUSAL_BR,
+     dict(q_lengths=[100, 7], kv_lengths=[150, 60])),
+    ("len-br-q>kv", 1, 200, 130, 2, 1, 128, jnp.bfloat16, CAUSAL_BR,
+     dict(q_lengths=[190], kv_lengths=[70])),
+    ("kvlen-only", 2, 128, 256, 2, 2, 64, jnp.float16, CAUSAL_BR,
+     dict(kv_lengths=[129, 64])),
+    ("qlen-only", 2, 200, 128, 1, 1, 64, jnp.bfloat16, CAUSAL_BR,
+     dict(q_lengths=[1, 199])),
+    ("len-window", 2, 180, 220, 1, 1, 64, jnp.bfloat16, WL,
+     dict(q_lengths=[170, 60], kv_lengths=[219, 100])),
+    ("len-window-br", 2, 180, 220, 1, 1, 64, jnp.float16, WBR,
+     dict(q_lengths=[170, 60], kv_lengths=[100, 219])),
+    ("cap", 1, 130, 200, 2, 1, 64, jnp.bfloat16, NO_MASK, dict(softcap=2.0)),
+    ("cap-br-len", 2, 130, 200, 2, 2, 64, jnp.float16, CAUSAL_BR,
+     dict(softcap=5.0, q_lengths=[100, 130], kv_lengths=[150, 31])),
+    ("cap-tl-window", 1, 200, 150, 1, 1, 128, jnp.bfloat16,
+     MaskSpec(causal=True, window_left=40), dict(softcap=1.5)),
+    ("sinks", 1, 130, 200, 4, 2, 64, jnp.bfloat16, NO_MASK,
+     dict(sinks=[0.5, -1.0, 3.0, -jnp.inf])),
+    ("sinks-br", 1, 200, 130, 2, 1, 64, jnp.float16, CAUSAL_BR,  # empty rows: lse = sink
+     dict(sinks=[1.0, -2.0])),
+    ("sinks-tl-len", 2, 130, 200, 2, 1, 64, jnp.bfloat16, CAUSAL_TL,
+     dict(sinks=[4.0, 0.0], q_lengths=[120, 5], kv_lengths=[200, 0])),
+    ("all", 2, 150, 190, 2, 1, 64, jnp.bfloat16, WBR,
+     dict(softcap=3.0, sinks=[0.25, -0.5], q_lengths=[150, 40], kv_lengths=[77, 190])),
+]
+
+
+def _opts(opts):
+  out = {}
+  for name, val in opts.items():
+    if name.endswith("lengths"):
+      out[name] = jnp.asarray(val, jnp.int32)
+    elif name == "sinks":
+      out[name] = jnp.asarray(val, jnp.float32)
+    else:
+      out[name] = val
+  return out
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_interpret_options_match_reference(case):
+  _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
+  opts = _opts(opts)
+  q, k, v = make_qkv(jax.random.key(Tq + 3 * Tk), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)  # make the cap bite
+  o, lse = run_interpret_opts(q, k, v, scale=scale, mask=mask, **opts)
+  assert o.shape == q.shape and lse.shape == (B, N, Tq)
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_lengths_equal_to_t_are_bitwise_no_lengths_e11():
+  """E11: lengths equal to T give bitwise the result of no lengths."""
+  for T, mask in ((5, CAUSAL_BR), (130, CAUSAL_TL)):
+    q, k, v = make_qkv(jax.random.key(T), 1, T, T, 2, 1, 64, jnp.bfloat16)
+    o, lse = run_interpret(q, k, v, scale=0.125, mask=mask)
+    full = jnp.array([T], jnp.int32)
+    o2, lse2 = run_interpret_opts(q, k, v, scale=0.125, mask=mask,
+                                  q_lengths=full, kv_lengths=full)
+    np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("sinks", [None, [0.7, -0.3]], ids=["plain", "sinks"])
+def test_interpret_rows_that_see_no_key_e06(sinks):
+  """E06 (lengths): padded rows and rows of a zero-length key row: o 0, lse -inf (or the sink)."""
+  q, k, v = make_qkv(jax.random.key(6), 2, 140, 96, 2, 1, 64, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[70, 140], kv_lengths=[96, 0]))
+  if sinks is not None:
+    opts["sinks"] = jnp.asarray(sinks, jnp.float32)
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  assert np.all(o[0, 70:] == 0) and np.all(o[1] == 0)
+  expect = -np.inf if sinks is None else np.asarray(sinks)[:, None]
+  np.testing.assert_allclose(np.broadcast_to(lse[0, :, 70:], (2, 70)),
+                             np.broadcast_to(expect, (2, 70)), rtol=1e-6)
+  np.testing.assert_allclose(lse[1], np.broadcast_to(expect, (2, 140)), rtol=1e-6)
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_nan_past_lengths_changes_nothing_e07():
+  """E07 (lengths): NaN/Inf/1e30 in q rows past q_len and k/v rows past kv_len."""
+  B, Tq, Tk = 2, 130, 200
+  q, k, v = make_qkv(jax.random.key(70), B, Tq, Tk, 2, 1, 64, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[100, 61], kv_lengths=[150, 37], softcap=4.0,
+                    sinks=[0.5, 1.5]))
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
+
+  def poison(x, lengths):
+    idx = jnp.arange(x.shape[1])
+    past = (idx[None, :] >= lengths[:, None])[:, :, None, None]
+    return jnp.where(past, bad[idx % 3][None, :, None, None], x)
+
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+  o2, lse2 = run_interpret_opts(
+      poison(q, opts["q_lengths"]), poison(k, opts["kv_lengths"]),
+      poison(v, opts["kv_lengths"]), scale=0.125, mask=CAUSAL_BR, **opts)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_kv_lengths_only_e13():
+  """E13: key_value_seq_lengths only, B=8, T=128."""
+  kl = jnp.array([24, 125, 53, 28, 77, 96, 13, 114], jnp.int32)
+  q, k, v = make_qkv(jax.random.key(13), 8, 128, 128, 1, 1, 64, jnp.bfloat16)
+  for mask in (NO_MASK, CAUSAL_BR):
+    o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=mask, kv_lengths=kl)
+    assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=mask, kv_lengths=kl)
+
+
+@pytest.mark.interpret
+def test_interpret_zero_lengths_e15():
+  """E15: zero-length queries and keys in a batch: no hang, no NaN, empty-row convention."""
+  q, k, v = make_qkv(jax.random.key(15), 3, 64, 72, 1, 1, 64, jnp.float16)
+  opts = _opts(dict(q_lengths=[0, 64, 10], kv_lengths=[72, 0, 1]))
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=NO_MASK, **opts)
+  assert np.all(np.asarray(o[:2], np.float32) == 0)
+  assert np.all(np.isneginf(np.asarray(lse[:2])))
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=NO_MASK, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_window_edges_with_lengths_e12():
+  """E12 with lengths: window edges under the per-batch bottom_right shift."""
+  Tq, Tk = 100, 150
+  q, k, v = make_qkv(jax.random.key(12), 2, Tq, Tk, 1, 1, 64, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[100, 60], kv_lengths=[90, 150]))
+  for left, right, causal in ((0, 0, False), (1, 1, True), (89, 0, False), (150, 151, True)):
+    mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=left,
+                    window_right=right)
+    o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=mask, **opts)
+    assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=mask, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_options_no_races():
+  q, k, v = make_qkv(jax.random.key(5), 2, 130, 300, 1, 1, 64, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[130, 70], kv_lengths=[200, 300], softcap=3.0,
+                    sinks=[0.5]))
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR,
+                              config=ForwardConfig(block_kv=64, num_stages=2),
+                              detect_races=True, **opts)
+  assert not interpret_pallas_call.get_races().races_found
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+
+
+def test_options_lower_for_the_gpu():
+  """Cross-lowers the GPU (register-operand) path on any machine: catches
+  Mosaic GPU lowering errors the interpreter cannot see."""
+  for D, dtype in ((64, jnp.bfloat16), (256, jnp.float16)):
+    q, k, v = make_qkv(jax.random.key(0), 2, 200, 300, 2, 1, D, dtype)
+    opts = _opts(dict(q_lengths=[200, 7], kv_lengths=[150, 300], softcap=5.0,
+                      sinks=[0.1, 0.2]))
+    f = lambda q, k, v, o=opts: attention_forward(q, k, v, scale=0.1, mask=WBR, **o)
+    text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

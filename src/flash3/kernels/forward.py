@@ -48,6 +48,9 @@ from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
 from flash3.visibility import MaskSpec
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+# Optional inputs of ``attention_forward`` that the kernel supports (issue 6);
+# the API dispatches to the kernel only for these.
+SUPPORTED_FEATURES = frozenset({"lengths", "softcap", "sinks"})
 MAX_HEAD_DIM = 256
 # CUDA grid limits: heads run on x (2**31 - 1), query tiles on y and batch on z.
 MAX_GRID_YZ = 65535
@@ -95,7 +98,10 @@ def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
 
 def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
                       config: ForwardConfig | None = None,
-                      interpret: bool | Any = False
+                      interpret: bool | Any = False,
+                      q_lengths=None, kv_lengths=None,
+                      q_segment_ids=None, kv_segment_ids=None,
+                      softcap: float | None = None, sinks=None,
                       ) -> tuple[jax.Array, jax.Array]:
   """Attention forward: softmax(scale * q k^T, masked) v, and its logsumexp.
 
@@ -107,11 +113,22 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
     config: tile sizes and pipeline depth; None picks ``forward_config``.
     interpret: False for the GPU; True or ``plgpu.InterpretGPUParams`` to run
       in GPU interpret mode on the CPU.
+    q_lengths, kv_lengths: None or (B,) int32 valid query / key counts per
+      batch row, in [0, Tq] and [0, Tk] (docs/semantics.md 2.4; with only one
+      given the other is the full length). Rows i >= q_len return o = 0 and
+      the lse of an empty row; bottom_right aligns on kv_len - q_len.
+    q_segment_ids, kv_segment_ids: None or (B, Tq), (B, Tk) int32, both or
+      neither: a query sees only keys with the same id (need not be sorted).
+    softcap: None or a float c > 0: scores become c * tanh(scale q.k / c)
+      before masking (Gemma 2).
+    sinks: None or (N,) float32: one raw natural-log logit per query head
+      added to the softmax denominator, with no value (gpt-oss).
 
   Returns:
     o: (B, Tq, N, D) in q.dtype; rows that see no key are 0.
     lse: (B, N, Tq) float32, the NATURAL log of the softmax denominator of
-      the scaled scores; -inf for rows that see no key.
+      the scaled scores (sink included); -inf for rows that see no key
+      (the sink there when sinks are given).
 
   Raises:
     ValueError: unsupported shapes/dtypes (see ``unsupported_reason``), k and
@@ -127,8 +144,17 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   scale = float(scale)
   if not math.isfinite(scale):
     raise ValueError(f"scale={scale} must be finite")
-  _, Tq, _, D = q.shape
+  B, Tq, N, D = q.shape
   Tk = k.shape[1]
+  extras = _check_extras(B, Tq, Tk, N, q_lengths, kv_lengths, q_segment_ids,
+                         kv_segment_ids, softcap, sinks)
+  if extras["lengths"] is not None:
+    # E07: keys past kv_len may hold NaN/Inf; p = 0 times NaN is NaN, so those
+    # V rows are selected to 0 here (one extra read+write of v; only with
+    # lengths). K needs nothing: its scores are selected to -inf in-kernel.
+    kv_len = extras["lengths"][1]
+    valid = jnp.arange(Tk, dtype=jnp.int32)[None, :] < kv_len[:, None]
+    v = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
   d_pad = _round_up(D, HEAD_DIM_MULTIPLE)
   # Mosaic GPU's tiled TMA views a length T > 8 as (T / 8, 8) rows, so a T
   # that is not a multiple of 8 cannot be described; only then is the tensor
@@ -147,11 +173,51 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
-  o, lse = _forward(q, k, v, scale=scale, mask=mask, config=config,
-                    interpret=interpret_params, q_len=Tq, kv_len=Tk)
+  o, lse = _forward(q, k, v, extras["lengths"], extras["sinks"], scale=scale,
+                    mask=mask, config=config, interpret=interpret_params,
+                    q_len=Tq, kv_len=Tk, softcap=extras["softcap"])
   if d_pad != D or tq_pad != Tq:
     o = o[:, :Tq, :, :D]
   return o, lse[:, :, :Tq]
+
+
+def _check_extras(B, Tq, Tk, N, q_lengths, kv_lengths, q_segment_ids,
+                  kv_segment_ids, softcap, sinks) -> dict:
+  """Checks the optional mask inputs; returns the kernel's form of them.
+
+  ``lengths`` is None or a pair of (B,) int32 arrays (q_len, kv_len), the
+  missing one filled with the full length; ``sinks`` None or (N,) float32;
+  ``softcap`` None or a float.
+  """
+  def as_lengths(x, name, full):
+    x = jnp.asarray(x)
+    if x.shape != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array of shape ({B},), got "
+                       f"{x.dtype} {x.shape}")
+    return x.astype(jnp.int32)
+
+  lengths = None
+  if q_lengths is not None or kv_lengths is not None:
+    ql = (jnp.full((B,), Tq, jnp.int32) if q_lengths is None
+          else as_lengths(q_lengths, "q_lengths", Tq))
+    kl = (jnp.full((B,), Tk, jnp.int32) if kv_lengths is None
+          else as_lengths(kv_lengths, "kv_lengths", Tk))
+    lengths = (ql, kl)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  if q_segment_ids is not None:
+    raise NotImplementedError("segment ids are not supported by the forward "
+                              "kernel yet (see SUPPORTED_FEATURES)")
+  if softcap is not None:
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap > 0):
+      raise ValueError(f"softcap={softcap} must be a finite float > 0")
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (N,):
+      raise ValueError(f"sinks must have shape ({N},), got {sinks.shape}")
+    sinks = sinks.astype(jnp.float32)
+  return dict(lengths=lengths, softcap=softcap, sinks=sinks)
 
 
 def _num_stages(config: ForwardConfig, kv_len: int) -> int:
@@ -159,10 +225,15 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "mask", "config", "interpret", "q_len", "kv_len"))
-def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
-             interpret: Any, q_len: int, kv_len: int):
-  """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer)."""
+    "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap"))
+def _forward(q, k, v, lengths, sinks, *, scale: float, mask: MaskSpec,
+             config: ForwardConfig, interpret: Any, q_len: int, kv_len: int,
+             softcap: float | None):
+  """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer).
+
+  ``lengths`` (None or (q_len, kv_len) (B,) int32) and ``sinks`` (None or
+  (N,) float32) are extra kernel inputs, read as scalars from global memory.
+  """
   B, Tq_buf, N, D = q.shape
   _, Tk_buf, K, _ = k.shape
   Tq, Tk = q_len, kv_len
@@ -179,7 +250,10 @@ def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
   body = functools.partial(
       _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
       block_q=block_q, block_kv=block_kv, stages=stages, dtype=dtype,
-      config=config)
+      config=config, has_lengths=lengths is not None,
+      has_sinks=sinks is not None, softcap=softcap)
+  extra_inputs = ((*lengths,) if lengths is not None else ()) + (
+      (sinks,) if sinks is not None else ())
   scratch = dict(
       qo=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                     transforms=transforms),
@@ -200,8 +274,9 @@ def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
         (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
   kernel = plgpu.kernel(
-      lambda q_ref, k_ref, v_ref, o_ref, lse_ref: pl.run_scoped(
-          lambda **s: body(q_ref, k_ref, v_ref, o_ref, lse_ref, s),
+      lambda q_ref, k_ref, v_ref, *refs: pl.run_scoped(
+          lambda **s: body(q_ref, k_ref, v_ref, refs[-2], refs[-1], s,
+                           extra_refs=refs[:-2]),
           **scratch, collective_axes="wg"),
       out_type=(jax.ShapeDtypeStruct((B, Tq_buf, N, D), dtype),
                 jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
@@ -212,7 +287,7 @@ def _forward(q, k, v, *, scale: float, mask: MaskSpec, config: ForwardConfig,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )
-  return kernel(q, k, v)
+  return kernel(q, k, v, *extra_inputs)
 
 
 def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int):
@@ -226,13 +301,20 @@ def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int)
   return t_lo, t_hi
 
 
-def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
-                 heads_per_kv, scale, mask, block_q, block_kv, stages, dtype,
-                 config):
+def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
+                 Tq, Tk, heads_per_kv, scale, mask, block_q, block_kv, stages,
+                 dtype, config, has_lengths, has_sinks, softcap):
   wg = lax.axis_index("wg")
   head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
   kv_head = lax.div(head, jnp.asarray(heads_per_kv, head.dtype))
+  extra_refs = list(extra_refs)
+  if has_lengths:
+    # Per-batch scalars: plain scalar loads from global memory (every thread
+    # loads the same two words; they stay in registers for the whole CTA).
+    q_len_ref, kv_len_ref = extra_refs.pop(0), extra_refs.pop(0)
+    Tq, Tk = q_len_ref[batch], kv_len_ref[batch]
+  sink = extra_refs.pop(0)[head] if has_sinks else None
   shift = mask.shift(Tq, Tk)
   cta_q_lo = lax.axis_index("q_tiles") * (NUM_COMPUTE_WARPGROUPS * block_q)
   cta_q_hi = jnp.minimum(cta_q_lo + NUM_COMPUTE_WARPGROUPS * block_q, Tq)
@@ -282,7 +364,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
       plgpu.barrier_arrive(smem["k_free"].at[slot])
       # Scale first, then take the max of the scaled scores: exp2(s - m) <= 1
       # exactly, even where an FMA's unrounded product would overflow (E03).
-      s = s * score_scale
+      if softcap is None:
+        s = s * score_scale
+      else:
+        # The cap acts on natural-unit scores; then into the exp2 domain.
+        s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
       if masked:
         q_idx = q_lo + plgpu.broadcasted_iota(
             jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -362,11 +448,31 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, Tq, Tk,
     pl.when(wg == 0)(schedule_sync)
     acc, m, l = carry
 
+    if has_sinks:
+      # The sink joins the denominator as one more (raw, natural-log) logit.
+      sink2 = sink * common.LOG2_E
+      m_fin = jnp.maximum(m, sink2)
+      m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+      alpha = jnp.exp2(m - m_fin)
+      l = l * alpha + jnp.exp2(sink2 - m_fin)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      m = m_fin
     seen = l > 0
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse = jnp.where(seen, m * common.LN_2 + jnp.log(jnp.where(seen, l, 1.0)),
                     -jnp.inf)
+    if has_lengths:
+      # Rows i >= q_len see nothing: they were computed like the others and
+      # are replaced here (selected, so NaN in their q cannot leak), which
+      # keeps lengths == T bitwise equal to no lengths (E11).
+      row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
+                                          layout=plgpu.Layout.WGMMA)
+      o = jnp.where(row < Tq, o, 0.0)
+      row_ok = q_lo + plgpu.broadcasted_iota(
+          jnp.int32, (block_q,), 0, layout=reduced) < Tq
+      empty_lse = -jnp.inf if sink is None else sink
+      lse = jnp.where(row_ok, lse, empty_lse)
     q_smem[...] = o.astype(dtype)
     lse_smem = smem["lse"].at[wg]
     lse_smem[...] = lse
