@@ -525,3 +525,79 @@ def test_masked_key_in_shared_tile_leaks_e07():
   dq = run_kernels(q, k_bad, v, do, scale=0.125, mask=CAUSAL_TL, o_lse=o_lse,
                    interpret=True)[0]
   assert np.isfinite(np.asarray(dq.astype(jnp.float32))).all()
+
+
+# ----------------------------------------------------------------------------
+# Host-side: the tile plans the kernels follow, against the dense mask
+# ----------------------------------------------------------------------------
+
+PLAN_MASKS = [NO_MASK, CAUSAL_TL, CAUSAL_BR,
+              W(window_left=3, window_right=9), W(window_left=40, causal=True,
+                                                   alignment="bottom_right"),
+              W(window_left=0, window_right=0, alignment="bottom_right")]
+
+
+@pytest.mark.parametrize("mask", PLAN_MASKS, ids=lambda m: repr(m)[8:60])
+@pytest.mark.parametrize("Tq,Tk", [(1, 1), (5, 200), (200, 5), (130, 257), (256, 256)])
+def test_full_query_range_is_exact(mask, Tq, Tk):
+  """MaskSpec.full_query_range: exactly the queries that see every key of the range."""
+  keep = np.asarray(dense_mask(mask, Tq, Tk)[0, 0])
+  shift = mask.shift(Tq, Tk)
+  for k_lo in range(0, Tk, 7):
+    for k_hi in (k_lo + 1, min(Tk, k_lo + 16), Tk):
+      lo, hi = mask.full_query_range(k_lo, k_hi, shift, Tq)
+      sees_all = keep[:, k_lo:k_hi].all(axis=1)
+      want = np.zeros(Tq, bool)
+      want[max(lo, 0):max(hi, 0)] = True
+      np.testing.assert_array_equal(sees_all, want, err_msg=f"{k_lo}:{k_hi}")
+
+
+def _check_plan(plan, sections, rows, keep_rows, block, length):
+  """Visited tiles hold every visible pair; tiles in [a, b) need no mask."""
+  t_lo, a, b, t_hi = (int(x) for x in sections)
+  assert t_lo <= a <= b <= t_hi
+  visible_cols = np.flatnonzero(keep_rows.any(axis=0))
+  for col in visible_cols:
+    assert t_lo <= col // block < t_hi, (col, sections)
+  for t in range(a, b):
+    cols = slice(t * block, (t + 1) * block)
+    assert (t + 1) * block <= length
+    assert keep_rows[:, cols].all(), (t, sections)
+
+
+@pytest.mark.parametrize("mask", PLAN_MASKS, ids=lambda m: repr(m)[8:60])
+@pytest.mark.parametrize("Tq,Tk", [(5, 200), (200, 5), (130, 257), (300, 300)])
+def test_tile_plans_cover_mask(mask, Tq, Tk):
+  """The dq and dk/dv kernels' tile plans (two warpgroups per CTA), host-side."""
+  keep = np.asarray(dense_mask(mask, Tq, Tk)[0, 0])
+  shift = mask.shift(Tq, Tk)
+  for bq, bk in ((64, 64), (64, 128)):
+    # dq kernel: rows are queries, tiles are keys.
+    for cta in range(-(-Tq // (2 * bq))):
+      plans = []
+      for w in range(2):
+        q_lo = cta * 2 * bq + w * bq
+        q_hi = min(q_lo + bq, Tq)
+        k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, Tk)
+        f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, Tk)
+        plans.append(backward._tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk))
+      cta_lo, cta_hi = backward._union(plans)
+      for w, plan in enumerate(plans):
+        q_lo = cta * 2 * bq + w * bq
+        sections = backward._own_sections(plan, cta_lo, cta_hi)
+        _check_plan(plan, sections, None, keep[q_lo:q_lo + bq], bk, Tk)
+    # dk/dv kernel: rows are keys, tiles are queries.
+    keep_t = keep.T
+    for cta in range(-(-Tk // (2 * bk))):
+      plans = []
+      for w in range(2):
+        k_lo = cta * 2 * bk + w * bk
+        k_hi = min(k_lo + bk, Tk)
+        q_lo, q_hi = mask.query_range(k_lo, k_hi, shift, Tq)
+        f_lo, f_hi = mask.full_query_range(k_lo, k_hi, shift, Tq)
+        plans.append(backward._tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq))
+      cta_lo, cta_hi = backward._union(plans)
+      for w, plan in enumerate(plans):
+        k_lo = cta * 2 * bk + w * bk
+        sections = backward._own_sections(plan, cta_lo, cta_hi)
+        _check_plan(plan, sections, None, keep_t[k_lo:k_lo + bk], bq, Tq)
