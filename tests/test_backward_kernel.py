@@ -72,14 +72,18 @@ def reference(q, k, v, *, scale, mask, low_precision=False):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "mask", "low_precision"))
-def reference_grads(q, k, v, do, *, scale, mask, low_precision=False):
-  """(o, lse, dq, dk, dv) of the reference; gradients by jax.vjp."""
+def reference_grads(q, k, v, do, *, scale, mask, low_precision=False, dlse=None):
+  """(o, lse, dq, dk, dv) of the reference; gradients by jax.vjp.
+
+  ``dlse`` (B, N, Tq) is the cotangent of lse (zeros if None).
+  """
   if not low_precision:
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   f = lambda q, k, v: reference(q, k, v, scale=scale, mask=mask,
                                 low_precision=low_precision)
   (o, lse), vjp = jax.vjp(f, q, k, v)
-  dq, dk, dv = vjp((do.astype(jnp.float32), jnp.zeros_like(lse)))
+  dlse = jnp.zeros_like(lse) if dlse is None else dlse.astype(lse.dtype)
+  dq, dk, dv = vjp((do.astype(jnp.float32), dlse))
   return o, lse, dq, dk, dv
 
 
@@ -226,6 +230,28 @@ def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask, do_ones):
   dead = dead_query_rows(mask, Tq, Tk)
   if dead.any():  # their dq is exactly 0
     assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
+
+
+@pytest.mark.interpret
+def test_interpret_given_delta_carries_lse_cotangent():
+  """delta = rowsum(o * do) - dlse gives the gradients with an lse cotangent."""
+  B, Tq, Tk, N, K, D = 1, 100, 150, 2, 1, 64
+  q, k, v, do = make_inputs(jax.random.key(4), B, Tq, Tk, N, K, D, F16)
+  mask, scale = CAUSAL_BR, 0.125
+  dlse = jax.random.normal(jax.random.key(5), (B, N, Tq))
+  o, lse = kernel_inputs(q, k, v, do, scale=scale, mask=mask)
+  delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
+                     do.astype(jnp.float32)) - dlse
+  grads = attention_backward(q, k, v, o, lse, do, scale=scale, mask=mask,
+                             interpret=True, delta=delta)
+  ref = reference_grads(q, k, v, do, scale=scale, mask=mask, dlse=dlse)[2:]
+  low = reference_grads(q, k, v, do, scale=scale, mask=mask, dlse=dlse,
+                        low_precision=True)[2:]
+  for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+    got, r = np.asarray(got, np.float32), np.asarray(r, np.float32)
+    err = np.max(np.abs(got - r))
+    low_err = np.max(np.abs(np.asarray(lo, np.float32) - r))
+    assert err <= FACTOR * low_err + 1e-3 * max(1, np.max(np.abs(r))), (name, err)
 
 
 @pytest.mark.interpret

@@ -581,26 +581,28 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def backward_residuals(o, lse, do, pad_to: int):
+def backward_residuals(o, lse, do, pad_to: int, delta=None):
   """lse * log2(e) (+inf where lse = -inf) and delta = rowsum(o * do), float32.
 
   Both (B, N, Tq padded to a multiple of ``pad_to``); padded rows get lse +inf
-  (p = 0) and delta 0. The padding is of these small vectors only.
+  (p = 0) and delta 0. The padding is of these small vectors only. A given
+  ``delta`` (B, N, <= Tq) is used instead of rowsum(o * do).
   """
-  q_len = o.shape[1]
-  delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
-                     do.astype(jnp.float32))
+  length = _round_up(o.shape[1], pad_to)
+  if delta is None:
+    delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
+                       do.astype(jnp.float32))
+  delta = delta.astype(jnp.float32)
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * common.LOG2_E)
-  pad = _round_up(q_len, pad_to) - q_len
-  if pad:
-    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
-    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, pad)))
-  return lse2, delta
+  pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])),
+                                constant_values=fill)
+  return pad(lse2, jnp.inf), pad(delta, 0.0)
 
 
 def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                        config: BackwardConfig | None = None,
-                       interpret: bool | plgpu.InterpretGPUParams = False):
+                       interpret: bool | plgpu.InterpretGPUParams = False,
+                       delta: jax.Array | None = None):
   """Gradients of softmax attention (FlashAttention-3 backward, Section 3).
 
   Args:
@@ -613,6 +615,9 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     config: tile sizes; None picks ``BackwardConfig.heuristic``.
     interpret: False for the GPU, True or ``plgpu.InterpretGPUParams`` to run
       in GPU interpret mode on the CPU.
+    delta: optional (B, N, Tq) float32 to use in ds = p * (dp - delta);
+      None computes rowsum(o * do) in float32. (Pass rowsum(o * do) - dlse
+      to include a cotangent of lse.)
 
   Returns:
     dq (B, Tq, N, D), dk, dv (B, Tk, K, D) in the input dtype. Deterministic:
@@ -632,6 +637,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   b, q_len, n, head_dim = q.shape
   if lse.shape != (b, n, q_len):
     raise ValueError(f"lse has shape {lse.shape}; expected {(b, n, q_len)}")
+  if delta is not None and delta.shape != (b, n, q_len):
+    raise ValueError(f"delta has shape {delta.shape}; expected {(b, n, q_len)}")
   if config is None:
     config = BackwardConfig.heuristic(head_dim, q_len, k.shape[1], mask)
   config.check_fits(head_dim, q.dtype.itemsize,
@@ -650,7 +657,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     pad = ((0, 0), (0, kv8 - kv_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
-  lse2, delta = backward_residuals(o, lse, do, pad_to)
+  lse2, delta = backward_residuals(o, lse, do, pad_to, delta)
   scale = float(scale)
   kwargs = dict(q_len=q_len, kv_len=kv_len, scale=scale, mask=mask,
                 config=config, interpret=interpret)
