@@ -740,3 +740,130 @@ def test_options_lower_for_the_gpu():
     f = lambda q, k, v, o=opts: attention_forward(q, k, v, scale=0.1, mask=WBR, **o)
     text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------
+# Issue 6: segment ids (packed documents)
+# ----------------------------------------------------------------------------
+
+from flash3.kernels.forward import _segment_tile_ranges  # noqa: E402
+
+
+def _packed(lengths_per_row, T):
+  """(B, T) int32 ids from document lengths; the rest of a row is one more id."""
+  rows = []
+  for lens in lengths_per_row:
+    ids = np.concatenate([np.full(n, i) for i, n in enumerate(lens)] + [np.zeros(0)])
+    ids = np.concatenate([ids, np.full(T - len(ids), len(lens))])[:T]
+    rows.append(ids)
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@pytest.mark.parametrize("sorted_ids", [True, False])
+def test_segment_tile_ranges_are_a_superset(sorted_ids):
+  """Every visible (query, key) pair lies in [lo, hi); every pair of a "full" tile is visible."""
+  rng = np.random.default_rng(0)
+  B, Tq, Tk, bq, bk = 3, 300, 520, 64, 128
+  if sorted_ids:
+    q_ids = np.sort(rng.integers(0, 6, (B, Tq)), axis=1)
+    k_ids = np.sort(rng.integers(0, 6, (B, Tk)), axis=1)
+    q_ids[0], k_ids[0] = 0, 0  # one document: every tile full
+  else:
+    q_ids, k_ids = rng.integers(0, 4, (B, Tq)), rng.integers(0, 4, (B, Tk))
+  nq, nk = 2 * -(-Tq // (2 * bq)), -(-Tk // bk)
+  r = np.asarray(_segment_tile_ranges(jnp.asarray(q_ids, jnp.int32), jnp.asarray(k_ids, jnp.int32),
+                                      block_q=bq, block_kv=bk, num_q_tiles=nq, num_kv_tiles=nk))
+  assert r.shape == (B, nq, 4)
+  n_full = 0
+  for b in range(B):
+    for i in range(nq):
+      qi = q_ids[b, i * bq:(i + 1) * bq]
+      for j in range(nk):
+        kj = k_ids[b, j * bk:(j + 1) * bk]
+        vis = (qi[:, None] == kj[None, :])
+        if vis.any():
+          assert r[b, i, 0] <= j < r[b, i, 1], (b, i, j)
+        if r[b, i, 2] <= j < r[b, i, 3]:
+          assert vis.all(), (b, i, j)
+          n_full += 1
+  if sorted_ids:
+    assert n_full >= (Tq // bq) * (Tk // bk)  # batch row 0 is all full
+  # The tiles skipped by [lo, hi) are many for sorted documents.
+
+
+SEGMENT_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, q docs, kv docs (per batch row), extra opts
+    ("one-doc", 1, 130, 130, 1, 1, 64, jnp.bfloat16, CAUSAL_TL, [[130]], [[130]], {}),
+    ("two-docs-across-blocks", 2, 200, 200, 2, 1, 64, jnp.float16, CAUSAL_TL,
+     [[70, 130], [150, 50]], [[70, 130], [150, 50]], {}),
+    ("many-len1-docs", 1, 140, 140, 2, 2, 64, jnp.bfloat16, CAUSAL_BR,
+     [[1] * 20 + [3, 60, 1, 1]], [[1] * 20 + [3, 60, 1, 1]], {}),
+    ("trailing-pad-gqa", 2, 256, 256, 4, 1, 64, jnp.bfloat16, NO_MASK,
+     [[100, 100], [30, 30, 30]], [[100, 100], [30, 30, 30]], {}),
+    ("cross-q!=kv-br", 1, 130, 250, 2, 1, 128, jnp.bfloat16, CAUSAL_BR,
+     [[40, 90]], [[100, 150]], {}),
+    ("window-len", 2, 200, 220, 1, 1, 64, jnp.float16, WBR,
+     [[64, 64, 72], [200]], [[70, 70, 80], [220]],
+     dict(q_lengths=[190, 100], kv_lengths=[220, 150])),
+    ("all", 2, 150, 190, 2, 1, 64, jnp.bfloat16, CAUSAL_BR,
+     [[50, 100], [10, 140]], [[60, 130], [20, 170]],
+     dict(softcap=3.0, sinks=[0.25, -0.5], q_lengths=[150, 40], kv_lengths=[150, 190])),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
+def test_interpret_segments_match_reference_e14(case):
+  """E14: packed rows of 1, 2 and many documents, length-1 documents, documents
+  across tile boundaries, a trailing padding id, causal, GQA, with the other options."""
+  _, B, Tq, Tk, N, K, D, dtype, mask, qdocs, kdocs, opts = case
+  opts = _opts(opts)
+  opts["q_segment_ids"] = _packed(qdocs, Tq)
+  opts["kv_segment_ids"] = _packed(kdocs, Tk)
+  q, k, v = make_qkv(jax.random.key(Tq + 5 * Tk), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5
+  o, lse = run_interpret_opts(q, k, v, scale=scale, mask=mask, **opts)
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_segments_unsorted_and_empty_e06_e15():
+  """Unsorted ids; a query document with no keys (E15): o 0, lse -inf (E06)."""
+  Tq, Tk = 130, 200
+  q, k, v = make_qkv(jax.random.key(16), 1, Tq, Tk, 2, 1, 64, jnp.bfloat16)
+  qs = jnp.asarray(np.arange(Tq) % 4, jnp.int32)[None]  # id 3: no key has it
+  ks = jnp.asarray(np.arange(Tk) % 3, jnp.int32)[None]
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_TL,
+                              q_segment_ids=qs, kv_segment_ids=ks)
+  assert np.all(np.isneginf(np.asarray(lse)[0, :, 3::4]))
+  assert np.all(np.asarray(o, np.float32)[0, 3::4] == 0)
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_TL,
+                      q_segment_ids=qs, kv_segment_ids=ks)
+
+
+@pytest.mark.interpret
+def test_interpret_segments_nan_in_unseen_key_tiles_e07():
+  """E07 (segments): NaN/Inf in key tiles no query document touches change nothing."""
+  Tq, Tk = 128, 384
+  q, k, v = make_qkv(jax.random.key(17), 1, Tq, Tk, 1, 1, 64, jnp.bfloat16)
+  qs = _packed([[60, 68]], Tq)
+  ks = _packed([[60, 68, 256]], Tk)  # keys 128..383: id 2, seen by no query
+  bad = jnp.where((jnp.arange(Tk) >= 128)[None, :, None, None], jnp.nan, 1.0)
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=NO_MASK,
+                              q_segment_ids=qs, kv_segment_ids=ks)
+  o2, lse2 = run_interpret_opts(q, (k * bad).astype(k.dtype), (v * bad).astype(v.dtype),
+                                scale=0.125, mask=NO_MASK,
+                                q_segment_ids=qs, kv_segment_ids=ks)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+def test_segments_lower_for_the_gpu():
+  for D, dtype in ((128, jnp.bfloat16), (256, jnp.float16)):
+    q, k, v = make_qkv(jax.random.key(0), 2, 200, 300, 2, 1, D, dtype)
+    ids = _packed([[50, 150], [200]], 200), _packed([[80, 220], [300]], 300)
+    f = lambda q, k, v: attention_forward(
+        q, k, v, scale=0.1, mask=CAUSAL_BR, q_segment_ids=ids[0],
+        kv_segment_ids=ids[1], q_lengths=jnp.array([200, 100], jnp.int32))
+    text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -50,7 +50,7 @@ from flash3.visibility import MaskSpec
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Optional inputs of ``attention_forward`` that the kernel supports (issue 6);
 # the API dispatches to the kernel only for these.
-SUPPORTED_FEATURES = frozenset({"lengths", "softcap", "sinks"})
+SUPPORTED_FEATURES = frozenset({"lengths", "softcap", "sinks", "segments"})
 MAX_HEAD_DIM = 256
 # CUDA grid limits: heads run on x (2**31 - 1), query tiles on y and batch on z.
 MAX_GRID_YZ = 65535
@@ -173,7 +173,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
-  o, lse = _forward(q, k, v, extras["lengths"], extras["sinks"], scale=scale,
+  o, lse = _forward(q, k, v, extras["lengths"], extras["sinks"],
+                    extras["segments"], scale=scale,
                     mask=mask, config=config, interpret=interpret_params,
                     q_len=Tq, kv_len=Tk, softcap=extras["softcap"])
   if d_pad != D or tq_pad != Tq:
@@ -205,9 +206,14 @@ def _check_extras(B, Tq, Tk, N, q_lengths, kv_lengths, q_segment_ids,
     lengths = (ql, kl)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  segments = None
   if q_segment_ids is not None:
-    raise NotImplementedError("segment ids are not supported by the forward "
-                              "kernel yet (see SUPPORTED_FEATURES)")
+    qs, ks = jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids)
+    for name, x, t in (("q_segment_ids", qs, Tq), ("kv_segment_ids", ks, Tk)):
+      if x.shape != (B, t) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape ({B}, {t}),"
+                         f" got {x.dtype} {x.shape}")
+    segments = (qs.astype(jnp.int32), ks.astype(jnp.int32))
   if softcap is not None:
     softcap = float(softcap)
     if not (math.isfinite(softcap) and softcap > 0):
@@ -217,7 +223,51 @@ def _check_extras(B, Tq, Tk, N, q_lengths, kv_lengths, q_segment_ids,
     if sinks.shape != (N,):
       raise ValueError(f"sinks must have shape ({N},), got {sinks.shape}")
     sinks = sinks.astype(jnp.float32)
-  return dict(lengths=lengths, softcap=softcap, sinks=sinks)
+  return dict(lengths=lengths, segments=segments, softcap=softcap, sinks=sinks)
+
+
+def _segment_tile_ranges(q_ids, kv_ids, *, block_q: int, block_kv: int,
+                         num_q_tiles: int, num_kv_tiles: int):
+  """Per query tile of ``block_q`` rows: the key tiles its documents may touch.
+
+  Returns (B, num_q_tiles, 4) int32 ``[lo, hi, full_lo, full_hi]``: key tiles
+  outside ``[lo, hi)`` hold no key with an id of the query tile (from per-tile
+  min/max ids, so a superset, right for unsorted ids too); tiles in
+  ``[full_lo, full_hi)`` and the query tile all hold one and the same id, so
+  they need no per-element segment mask. Computed once per call in XLA:
+  O(B * num_q_tiles * num_kv_tiles) int work, tiny next to the kernel.
+  """
+  def tile_min_max(ids, block, n):
+    pad = n * block - ids.shape[1]
+    ids = jnp.pad(ids, ((0, 0), (0, pad)), mode="edge").reshape(ids.shape[0], n, block)
+    return ids.min(-1), ids.max(-1)
+
+  nq_real = -(-q_ids.shape[1] // block_q)
+  qmin, qmax = tile_min_max(q_ids, block_q, nq_real)
+  kmin, kmax = tile_min_max(kv_ids, block_kv, num_kv_tiles)
+  tiles = jnp.arange(num_kv_tiles, dtype=jnp.int32)
+
+  def first_last(sel):  # sel (B, nq, nk) -> first index, last index + 1
+    lo = jnp.min(jnp.where(sel, tiles, num_kv_tiles), axis=-1)
+    hi = jnp.max(jnp.where(sel, tiles + 1, 0), axis=-1)
+    return lo, hi
+
+  overlap = ((kmax[:, None, :] >= qmin[:, :, None])
+             & (kmin[:, None, :] <= qmax[:, :, None]))
+  lo, hi = first_last(overlap)
+  full = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
+          & (kmin[:, None, :] == qmin[:, :, None]))
+  f_lo, f_hi = first_last(full)
+  # Only a contiguous run of full tiles may skip the mask.
+  contiguous = full.sum(-1) == f_hi - f_lo
+  f_lo = jnp.where(contiguous, f_lo, 0)
+  f_hi = jnp.where(contiguous, f_hi, 0)
+  ranges = jnp.stack([lo, hi, f_lo, f_hi], axis=-1).astype(jnp.int32)
+  # Query tiles past Tq (the second warpgroup of the last CTA): nothing.
+  empty = jnp.array([num_kv_tiles, 0, 0, 0], jnp.int32)
+  pad = num_q_tiles - nq_real
+  return jnp.concatenate(
+      [ranges, jnp.broadcast_to(empty, (ranges.shape[0], pad, 4))], axis=1)
 
 
 def _num_stages(config: ForwardConfig, kv_len: int) -> int:
@@ -226,13 +276,15 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap"))
-def _forward(q, k, v, lengths, sinks, *, scale: float, mask: MaskSpec,
+def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
              config: ForwardConfig, interpret: Any, q_len: int, kv_len: int,
              softcap: float | None):
   """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer).
 
   ``lengths`` (None or (q_len, kv_len) (B,) int32) and ``sinks`` (None or
   (N,) float32) are extra kernel inputs, read as scalars from global memory.
+  ``segments`` (None or (q_ids, kv_ids)) adds the ids (padded to whole tiles)
+  and the per-query-tile key tile ranges of ``_segment_tile_ranges``.
   """
   B, Tq_buf, N, D = q.shape
   _, Tk_buf, K, _ = k.shape
@@ -251,9 +303,21 @@ def _forward(q, k, v, lengths, sinks, *, scale: float, mask: MaskSpec,
       _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
       block_q=block_q, block_kv=block_kv, stages=stages, dtype=dtype,
       config=config, has_lengths=lengths is not None,
-      has_sinks=sinks is not None, softcap=softcap)
+      has_sinks=sinks is not None, has_segments=segments is not None,
+      softcap=softcap)
   extra_inputs = ((*lengths,) if lengths is not None else ()) + (
       (sinks,) if sinks is not None else ())
+  if segments is not None:
+    q_ids, kv_ids = segments
+    num_kv_tiles = -(-Tk // block_kv)
+    ranges = _segment_tile_ranges(
+        q_ids, kv_ids, block_q=block_q, block_kv=block_kv,
+        num_q_tiles=num_q_ctas * NUM_COMPUTE_WARPGROUPS,
+        num_kv_tiles=num_kv_tiles)
+    # In-kernel loads read whole tiles: pad the ids (values there are masked).
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, lse_len - Tq)))
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, num_kv_tiles * block_kv - Tk)))
+    extra_inputs += (q_ids, kv_ids, ranges)
   scratch = dict(
       qo=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                     transforms=transforms),
@@ -303,7 +367,7 @@ def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int)
 
 def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  Tq, Tk, heads_per_kv, scale, mask, block_q, block_kv, stages,
-                 dtype, config, has_lengths, has_sinks, softcap):
+                 dtype, config, has_lengths, has_sinks, has_segments, softcap):
   wg = lax.axis_index("wg")
   head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
@@ -315,11 +379,21 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     q_len_ref, kv_len_ref = extra_refs.pop(0), extra_refs.pop(0)
     Tq, Tk = q_len_ref[batch], kv_len_ref[batch]
   sink = extra_refs.pop(0)[head] if has_sinks else None
+  if has_segments:
+    q_ids_ref, kv_ids_ref, seg_ref = extra_refs
   shift = mask.shift(Tq, Tk)
   cta_q_lo = lax.axis_index("q_tiles") * (NUM_COMPUTE_WARPGROUPS * block_q)
   cta_q_hi = jnp.minimum(cta_q_lo + NUM_COMPUTE_WARPGROUPS * block_q, Tq)
   # The key tiles this CTA streams; both compute warpgroups step through all of them.
   t_lo, t_hi = _tile_ranges(mask, cta_q_lo, cta_q_hi, shift, Tk, block_kv)
+  if has_segments:
+    # Only the key tiles the CTA's documents touch (the union over its two
+    # warpgroups' query tiles).
+    tile0 = lax.axis_index("q_tiles") * NUM_COMPUTE_WARPGROUPS
+    t_lo = jnp.maximum(t_lo, jnp.minimum(seg_ref[batch, tile0, 0],
+                                         seg_ref[batch, tile0 + 1, 0]))
+    t_hi = jnp.minimum(t_hi, jnp.maximum(seg_ref[batch, tile0, 1],
+                                         seg_ref[batch, tile0 + 1, 1]))
   t_hi = jnp.maximum(t_hi, t_lo)
 
   def slot_of(t):
@@ -340,12 +414,22 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                             smem["q_loaded"].at[wg])
     # This warpgroup's own tiles, clamped into the CTA's.
     w_lo, w_hi = _tile_ranges(mask, q_lo, q_hi, shift, Tk, block_kv)
+    if has_segments:
+      my_tile = lax.axis_index("q_tiles") * NUM_COMPUTE_WARPGROUPS + wg
+      w_lo = jnp.maximum(w_lo, seg_ref[batch, my_tile, 0])
+      w_hi = jnp.minimum(w_hi, seg_ref[batch, my_tile, 1])
     w_lo = jnp.clip(w_lo, t_lo, t_hi)
     w_hi = jnp.clip(w_hi, w_lo, t_hi)
     # Tiles every row sees in full (and wholly below Tk) need no mask.
     f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, Tk)
     ft_lo = lax.div(jnp.asarray(f_lo, jnp.int32) + (block_kv - 1), block_kv)
     ft_hi = lax.div(jnp.asarray(f_hi, jnp.int32), block_kv)
+    if has_segments:
+      ft_lo = jnp.maximum(ft_lo, seg_ref[batch, my_tile, 2])
+      ft_hi = jnp.minimum(ft_hi, seg_ref[batch, my_tile, 3])
+      # This warpgroup's query ids, one per row, kept in registers.
+      q_ids = plgpu.load(q_ids_ref.at[batch, pl.ds(q_lo, block_q)],
+                         layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     m1 = jnp.clip(ft_lo, w_lo, w_hi)
     m2 = jnp.clip(ft_hi, m1, w_hi)
 
@@ -377,6 +461,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         keep = k_idx < Tk
         if mask.is_structural:
           keep = keep & mask.visible(q_idx, k_idx, shift)
+        if has_segments:
+          kv_ids = plgpu.load(
+              kv_ids_ref.at[batch, pl.ds(t * block_kv, block_kv)],
+              layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+          keep = keep & (lax.broadcast_in_dim(q_ids, s.shape, [0])
+                         == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
         s = jnp.where(keep, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=1))
       if masked:
