@@ -867,3 +867,101 @@ def test_segments_lower_for_the_gpu():
         kv_segment_ids=ids[1], q_lengths=jnp.array([200, 100], jnp.int32))
     text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------
+# Issue 6 on the GPU (H100/H200): every option at larger shapes
+# ----------------------------------------------------------------------------
+
+GPU_OPTION_CASES = [
+    # id, B, Tq, Tk, N, K, mask, options (segments as document lengths)
+    ("len-br", 3, 1000, 1200, 4, 2, CAUSAL_BR,
+     dict(q_lengths=[1000, 333, 0], kv_lengths=[1200, 901, 64])),
+    ("len-tl-window", 2, 777, 1500, 2, 1, MaskSpec(causal=True, window_left=256),
+     dict(q_lengths=[700, 777], kv_lengths=[1500, 129])),
+    ("kvlen-e13", 8, 128, 128, 2, 1, NO_MASK,
+     dict(kv_lengths=[24, 125, 53, 28, 77, 96, 13, 114])),
+    ("cap", 1, 1024, 1024, 4, 4, CAUSAL_TL, dict(softcap=30.0)),
+    ("cap-len", 2, 513, 2049, 2, 1, CAUSAL_BR,
+     dict(softcap=5.0, q_lengths=[513, 200], kv_lengths=[2049, 300])),
+    ("sinks", 1, 1024, 1500, 8, 2, NO_MASK,
+     dict(sinks=[0.0, 1.0, -1.0, 5.0, -jnp.inf, 2.0, 3.0, -3.0])),
+    ("sinks-br-len", 2, 900, 600, 2, 1, CAUSAL_BR,
+     dict(sinks=[1.0, -2.0], q_lengths=[900, 300], kv_lengths=[600, 10])),
+    ("segments", 2, 2048, 2048, 4, 2, CAUSAL_TL,
+     dict(segments=([[512] * 4, [1000, 1, 1, 46, 1000]],) * 2)),
+    ("segments-unequal", 1, 1000, 3000, 2, 1, CAUSAL_BR,
+     dict(segments=([[300, 300, 400]], [[1000, 1000, 1000]]))),
+    ("all", 2, 1500, 1500, 4, 1, MaskSpec(causal=True, alignment="bottom_right", window_left=300),
+     dict(segments=([[700, 800], [64] * 23],) * 2, softcap=10.0,
+          sinks=[0.5, -0.5, 1.0, 0.0], q_lengths=[1500, 1000], kv_lengths=[1400, 1500])),
+]
+
+
+def _gpu_opts(opts, Tq, Tk):
+  opts = dict(opts)
+  segs = opts.pop("segments", None)
+  opts = _opts(opts)
+  if segs is not None:
+    opts["q_segment_ids"] = _packed(segs[0], Tq)
+    opts["kv_segment_ids"] = _packed(segs[1], Tk)
+  return opts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("case", GPU_OPTION_CASES, ids=[c[0] for c in GPU_OPTION_CASES])
+def test_gpu_options_match_reference(case, dtype, D):
+  _, B, Tq, Tk, N, K, mask, opts = case
+  opts = _gpu_opts(opts, Tq, Tk)
+  q, k, v = make_qkv(jax.random.key(Tq + Tk + D), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  o, lse = attention_forward(q, k, v, scale=scale, mask=mask, **opts)
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_nan_past_lengths_and_unseen_tiles_e07(D):
+  """E07: NaN/Inf/1e30 in q/k/v past the lengths change no valid output."""
+  B, Tq, Tk = 2, 700, 1100
+  q, k, v = make_qkv(jax.random.key(77), B, Tq, Tk, 2, 1, D, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[650, 129], kv_lengths=[1000, 65], softcap=20.0,
+                    sinks=[0.5, 1.5]))
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
+
+  def poison(x, lengths):
+    idx = jnp.arange(x.shape[1])
+    past = (idx[None, :] >= lengths[:, None])[:, :, None, None]
+    return jnp.where(past, bad[idx % 3][None, :, None, None], x)
+
+  o, lse = attention_forward(q, k, v, scale=0.1, mask=CAUSAL_BR, **opts)
+  o2, lse2 = attention_forward(poison(q, opts["q_lengths"]), poison(k, opts["kv_lengths"]),
+                               poison(v, opts["kv_lengths"]), scale=0.1, mask=CAUSAL_BR, **opts)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 1000])
+def test_gpu_lengths_equal_to_t_bitwise_e11(T):
+  q, k, v = make_qkv(jax.random.key(T), 1, T, T, 2, 1, 64, jnp.bfloat16)
+  full = jnp.array([T], jnp.int32)
+  o, lse = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_BR)
+  o2, lse2 = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_BR,
+                               q_lengths=full, kv_lengths=full)
+  assert bool(jnp.all(o2 == o)) and bool(jnp.all(lse2 == lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_window_edges_with_lengths_e12(causal):
+  Tq, Tk = 200, 150
+  q, k, v = make_qkv(jax.random.key(12), 2, Tq, Tk, 1, 1, 64, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[200, 90], kv_lengths=[100, 150]))
+  for left, right in ((0, 0), (1, 1), (0, Tk + 1), (Tk - 1, 0), (Tk, 1), (Tk + 1, Tk)):
+    mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=left,
+                    window_right=right)
+    o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, **opts)
+    assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=mask, **opts)

@@ -25,6 +25,20 @@ memory first (one extra copy of q, or of k and v, and o sliced back); the
 kernel still masks with the true lengths. Element offsets past 2**31 are safe because TMA
 addresses by per-dimension coordinates from a 64-bit base.
 
+Options (issue 6, semantics of docs/semantics.md): per-batch q/kv lengths
+are read in-kernel as scalars from global memory; they bound the key tiles
+streamed and, for bottom_right, give a per-batch shift. V rows past kv_len are
+selected to 0 in XLA before the kernel (E07: p = 0 times NaN is NaN), one extra
+read+write of v, only when lengths are given. Segment ids: per query tile of
+64 rows, the first/last key tile its documents may touch and the run of tiles
+holding only its one id (no per-element mask) are computed once per call in
+XLA from per-tile min/max ids; boundary tiles compare ids loaded from global
+memory. The soft cap acts on natural-unit scores before the exp2 conversion
+(tanh.approx on the GPU); sinks enter the denominator at the end, as one more
+logit. Limitation (as for causal before): NaN in a V row that no query sees
+but that shares a key tile with visible keys (segments, windows) can still
+reach the output; keys past kv_len and whole unseen tiles cannot.
+
 Head dims that are not a multiple of 64 are zero-padded to the next multiple
 of 64 in device memory (q, k, v copied once, o sliced): this costs one extra
 read+write of q, k, v and o and ``D_pad / D`` times the matmul work.
