@@ -43,14 +43,19 @@ def interpret_params():
   return _interpret_params if _interpret_params is not None else False
 
 
-def _feature_reason(p: Problem) -> str | None:
-  """Options the kernels do not take yet (issue: masks in the kernels)."""
+def _feature_reason(p: Problem, supported: frozenset[str]) -> str | None:
+  """Options of this call that the forward kernel does not take."""
   if p.q.dtype.itemsize != 2:
     return f"{p.q.dtype} inputs (the kernels take float16 or bfloat16)"
-  unsupported = [name for name in (
-      "bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
-      "query_segment_ids", "logits_soft_cap", "sinks")
-      if getattr(p, name) is not None]
+  needed = {
+      "bias": p.bias is not None,
+      "mask": p.mask is not None,
+      "lengths": p.query_seq_lengths is not None or p.key_value_seq_lengths is not None,
+      "segments": p.query_segment_ids is not None,
+      "softcap": p.logits_soft_cap is not None,
+      "sinks": p.sinks is not None,
+  }
+  unsupported = [name for name, used in needed.items() if used and name not in supported]
   if unsupported:
     return f"{', '.join(unsupported)} (not supported by the kernels yet)"
   return None
@@ -60,22 +65,13 @@ def forward_reason(p: Problem) -> str | None:
   """None if the forward kernel takes this problem, else why not."""
   if _interpret_params is None and (reason := why_not_hopper()):
     return reason
-  if reason := _feature_reason(p):
-    return reason
   try:
     from flash3.kernels import forward
   except ImportError:
     return "the forward kernel is not available in this build"
+  if reason := _feature_reason(p, getattr(forward, "SUPPORTED_FEATURES", frozenset())):
+    return reason
   return forward.unsupported_reason(p.q.shape, p.k.shape, p.q.dtype, p.spec)
-
-
-def backward_reason(p: Problem) -> str | None:
-  """None if the backward kernels take this problem, else why not."""
-  try:
-    from flash3.kernels import backward
-  except ImportError:
-    return "the backward kernels are not available in this build"
-  return backward.unsupported_reason(p.q.shape, p.k.shape, p.q.dtype, p.spec)
 
 
 def warn_once(message: str) -> None:

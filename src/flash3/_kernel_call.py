@@ -4,20 +4,24 @@ Each kernel call is wrapped twice, so that the API keeps working under jax's
 transformations:
 * ``sharding.partitioned``: under jit on sharded arrays, each device runs the
   kernel on its own batch / key-value-head shard (no gather);
-* ``_fold_vmap``: under vmap, the mapped axis is folded into the batch axis
-  (every operand has its batch first).
+* ``_fold_vmap``: under vmap, the mapped axis is folded into the batch axis.
+
+Sinks need no backward kernel of their own: with the sink inside the
+logsumexp, the kernels' ds = p (dp - delta) is already right for q, k, v, and
+d sink = -sum_i exp(sink - lse_i) (delta_i - dlse_i) is a reduction in XLA.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from flash3 import sharding
+from flash3 import _dispatch, sharding
+from flash3.reference import attention_reference
 from flash3.visibility import MaskSpec
 
 
@@ -28,70 +32,164 @@ class KernelArgs:
   scale: float
   spec: MaskSpec
   interpret: Any
+  softcap: float | None = None
 
 
-def _fold_vmap(fn):
-  """``fn`` with a vmap rule that merges the mapped axis into axis 0."""
+class Extras(NamedTuple):
+  """The optional array arguments; None where not given."""
+
+  q_lengths: jax.Array | None = None
+  kv_lengths: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  sinks: jax.Array | None = None
+
+
+# Operand kinds of the extras, for sharding.partitioned.
+_EXTRA_KINDS = {"q_lengths": "len", "kv_lengths": "len", "q_segment_ids": "qseg",
+                "kv_segment_ids": "kvseg", "sinks": "sink"}
+
+
+def features(extras: Extras, static: KernelArgs) -> frozenset[str]:
+  """The kernel features a call needs (names as in the kernels' SUPPORTED_FEATURES)."""
+  needed = set()
+  if extras.q_lengths is not None or extras.kv_lengths is not None:
+    needed.add("lengths")
+  if extras.q_segment_ids is not None:
+    needed.add("segments")
+  if extras.sinks is not None:
+    needed.add("sinks")
+  if static.softcap is not None:
+    needed.add("softcap")
+  return frozenset(needed)
+
+
+def _fold_vmap(fn, batch_leading: tuple[bool, ...]):
+  """``fn`` with a vmap rule that merges the mapped axis into axis 0.
+
+  ``batch_leading[i]`` says whether operand i has the batch axis first; the
+  others (sinks) must not be mapped.
+  """
   wrapped = jax.custom_batching.custom_vmap(fn)
 
   @wrapped.def_vmap
   def _rule(axis_size, in_batched, *args):
-    args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, b in zip(args, in_batched)]
-    outs = wrapped(*(x.reshape(-1, *x.shape[2:]) for x in args))
+    merged = []
+    for x, batched, leading in zip(args, in_batched, batch_leading):
+      if not leading:
+        if batched:
+          raise NotImplementedError(
+              "flash3: vmap over sinks is not supported on the Mosaic GPU path; "
+              "use implementation='xla'")
+        merged.append(x)
+        continue
+      x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+      merged.append(x.reshape(-1, *x.shape[2:]))
+    outs = wrapped(*merged)
     outs = tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs)
     return outs, (True,) * len(outs)
 
   return wrapped
 
 
+def _partitioned(fn, in_kinds, out_kinds, static: KernelArgs):
+  # Interpreted kernels carry ordered IO effects, which custom_partitioning
+  # cannot lower per shard: in interpret mode XLA's default (gathering)
+  # partitioning applies instead. The GPU path is always partitioned.
+  if static.interpret:
+    return fn
+  return sharding.partitioned(fn, in_kinds, out_kinds)
+
+
+def _present(extras: Extras) -> tuple[str, ...]:
+  return tuple(name for name, x in extras._asdict().items() if x is not None)
+
+
+def _kernel_extras(names, values):
+  """Keyword arguments for the kernels from the flat extras."""
+  kwargs = dict(zip(names, values))
+  if "sinks" in kwargs:
+    kwargs["sinks"] = kwargs["sinks"].reshape(-1).astype(jnp.float32)  # (K, G) -> (N,)
+  return kwargs
+
+
 @functools.cache
-def _forward_call(static: KernelArgs):
+def _forward_call(static: KernelArgs, names: tuple[str, ...]):
   from flash3.kernels.forward import attention_forward
 
-  def forward(q5, k, v):
-    o, lse = attention_forward(sharding.merge_heads(q5), k, v, scale=static.scale,
-                               mask=static.spec, interpret=static.interpret)
-    B, K, G, T = q5.shape[0], q5.shape[2], q5.shape[3], q5.shape[1]
+  def forward(q5, k, v, *extra_values):
+    B, T, K, G, _ = q5.shape
+    o, lse = attention_forward(
+        sharding.merge_heads(q5), k, v, scale=static.scale, mask=static.spec,
+        interpret=static.interpret, softcap=static.softcap,
+        **_kernel_extras(names, extra_values))
     return sharding.split_heads(o, K), lse.reshape(B, K, G, T)
 
-  return _fold_vmap(sharding.partitioned(forward, ("q", "kv", "kv"), ("q", "row")))
+  kinds = ("q", "kv", "kv") + tuple(_EXTRA_KINDS[n] for n in names)
+  leading = tuple(kind != "sink" for kind in kinds)
+  return _fold_vmap(_partitioned(forward, kinds, ("q", "row"), static), leading)
 
 
 @functools.cache
-def _backward_call(static: KernelArgs):
+def _backward_call(static: KernelArgs, names: tuple[str, ...]):
   from flash3.kernels.backward import attention_backward
 
-  def backward(q5, k, v, o5, lse, do5, delta):
+  def backward(q5, k, v, o5, lse, do5, delta, *extra_values):
     B, T, K, G, _ = q5.shape
+    extra = _kernel_extras(names, extra_values)
+    extra.pop("sinks", None)  # Inside lse already; its gradient is done in XLA.
     dq, dk, dv = attention_backward(
         sharding.merge_heads(q5), k, v, sharding.merge_heads(o5),
         lse.reshape(B, K * G, T), sharding.merge_heads(do5),
         scale=static.scale, mask=static.spec, interpret=static.interpret,
-        delta=delta.reshape(B, K * G, T))
+        delta=delta.reshape(B, K * G, T), **extra)
     return sharding.split_heads(dq, K), dk, dv
 
-  return _fold_vmap(sharding.partitioned(
-      backward, ("q", "kv", "kv", "q", "row", "q", "row"), ("q", "kv", "kv")))
+  kinds = (("q", "kv", "kv", "q", "row", "q", "row")
+           + tuple(_EXTRA_KINDS[n] for n in names))
+  leading = tuple(kind != "sink" for kind in kinds)
+  return _fold_vmap(_partitioned(backward, kinds, ("q", "kv", "kv"), static), leading)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def mosaic_attention(q, k, v, static: KernelArgs):
+def _flat_extras(extras: Extras, num_kv_heads: int):
+  names = _present(extras)
+  values = []
+  for name in names:
+    x = getattr(extras, name)
+    values.append(x.reshape(num_kv_heads, -1) if name == "sinks" else x)
+  return names, values
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def mosaic_attention(q, k, v, extras: Extras, static: KernelArgs):
   """(o, lse): o (B, Tq, N, D) in q.dtype, lse (B, N, Tq) float32 natural log."""
-  return _forward(q, k, v, static)[0]
+  return _forward(q, k, v, extras, static)[0]
 
 
-def _forward(q, k, v, static: KernelArgs):
+def _forward(q, k, v, extras: Extras, static: KernelArgs):
   K = k.shape[2]
-  o5, lse = _forward_call(static)(sharding.split_heads(q, K), k, v)
+  names, values = _flat_extras(extras, K)
+  o5, lse = _forward_call(static, names)(sharding.split_heads(q, K), k, v, *values)
   B, T, N = q.shape[0], q.shape[1], q.shape[2]
   o, lse = sharding.merge_heads(o5), lse.reshape(B, N, T)
-  return (o, lse), (q, k, v, o, lse)
+  return (o, lse), (q, k, v, extras, o, lse)
+
+
+def _backward_kernel_lacks(extras: Extras, static: KernelArgs) -> frozenset[str]:
+  try:
+    from flash3.kernels import backward
+  except ImportError:
+    return frozenset({"the backward kernels"})
+  supported = getattr(backward, "SUPPORTED_FEATURES", frozenset()) | {"sinks"}
+  return features(extras, static) - supported
 
 
 def _backward(static: KernelArgs, residuals, cotangents):
-  q, k, v, o, lse = residuals
+  q, k, v, extras, o, lse = residuals
   do, dlse = cotangents
+  no_grads = Extras(*(None,) * 4, sinks=None)
+  if missing := _backward_kernel_lacks(extras, static):
+    return _reference_backward(static, residuals, cotangents, missing)
   B, T, N, _ = q.shape
   K = k.shape[2]
   # delta_i = rowsum(o * do), float32 (FlashAttention-2, section 3.1.2). The
@@ -100,10 +198,39 @@ def _backward(static: KernelArgs, residuals, cotangents):
   delta = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
   delta = delta - dlse
   split = functools.partial(sharding.split_heads, num_kv_heads=K)
-  dq5, dk, dv = _backward_call(static)(
+  names, values = _flat_extras(extras, K)
+  dq5, dk, dv = _backward_call(static, names)(
       split(q), k, v, split(o), lse.reshape(B, K, N // K, T), split(do),
-      delta.reshape(B, K, N // K, T))
-  return sharding.merge_heads(dq5), dk, dv
+      delta.reshape(B, K, N // K, T), *values)
+  if extras.sinks is not None:
+    # d sink_n = -sum_{b,i} exp(sink_n - lse_bni) * (delta_bni - dlse_bni).
+    sink = extras.sinks.astype(jnp.float32)[None, :, None]
+    p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
+    no_grads = no_grads._replace(
+        sinks=(-(p_sink * delta).sum(axis=(0, 2))).astype(extras.sinks.dtype))
+  return sharding.merge_heads(dq5), dk, dv, no_grads
+
+
+def _reference_backward(static, residuals, cotangents, missing):
+  """The backward through the XLA reference, for options the kernels lack."""
+  q, k, v, extras, _, _ = residuals
+  do, dlse = cotangents
+  _dispatch.warn_once(
+      "flash3: the backward of this call runs on the XLA reference path "
+      f"(the backward kernels do not take {', '.join(sorted(missing))} yet)")
+
+  def reference(q, k, v, sinks):
+    o, lse = attention_reference(
+        q, k, v, scale=static.scale, spec=static.spec,
+        query_seq_lengths=extras.q_lengths, key_value_seq_lengths=extras.kv_lengths,
+        query_segment_ids=extras.q_segment_ids,
+        key_value_segment_ids=extras.kv_segment_ids,
+        logits_soft_cap=static.softcap, sinks=sinks)
+    return o, lse.transpose(0, 2, 1)
+
+  _, vjp = jax.vjp(reference, q, k, v, extras.sinks)
+  dq, dk, dv, dsinks = vjp((do, dlse))
+  return dq, dk, dv, Extras(*(None,) * 4, sinks=dsinks)
 
 
 mosaic_attention.defvjp(_forward, _backward)

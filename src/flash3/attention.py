@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from flash3 import _dispatch, _validate
-from flash3._kernel_call import KernelArgs, mosaic_attention
+from flash3._kernel_call import Extras, KernelArgs, mosaic_attention
 from flash3.reference import attention_reference
 
 
@@ -103,8 +103,11 @@ def dot_product_attention(
     o, lse = _empty(p)
   elif _dispatch.choose(p, implementation) == "mosaic":
     static = KernelArgs(scale=p.scale, spec=p.spec,
-                        interpret=_dispatch.interpret_params())
-    o, lse = mosaic_attention(p.q, p.k, p.v, static)
+                        interpret=_dispatch.interpret_params(),
+                        softcap=p.logits_soft_cap)
+    extras = Extras(p.query_seq_lengths, p.key_value_seq_lengths,
+                    p.query_segment_ids, p.key_value_segment_ids, p.sinks)
+    o, lse = mosaic_attention(p.q, p.k, p.v, extras, static)
     lse = lse.transpose(0, 2, 1)
   else:
     o, lse = attention_reference(

@@ -13,7 +13,9 @@ Operands are described by their kind:
 * ``"q"``: (B, T, K, G, D), query-like (q, o, do, dq) with the N = K * G query
   heads split into key/value heads and their groups,
 * ``"kv"``: (B, S, K, D), key-like (k, v, dk, dv),
-* ``"row"``: (B, K, G, T), per query row (lse, delta).
+* ``"row"``: (B, K, G, T), per query row (lse, delta),
+* ``"len"``: (B,) sequence lengths; ``"qseg"``, ``"kvseg"``: (B, T) segment
+  ids; ``"sink"``: (K, G) sinks.
 
 With one device (or inside shard_map) the wrapper is just the function.
 """
@@ -26,7 +28,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-_FACTORS = {"q": "b t h g d", "kv": "b s h d", "row": "b h g t"}
+_FACTORS = {"q": "b t h g d", "kv": "b s h d", "row": "b h g t",
+            "len": "b", "qseg": "b t", "kvseg": "b s", "sink": "h g"}
 # Dimensions each device needs whole: the sequences and head_dim; group too,
 # so that dk/dv of a key/value head are summed inside one kernel (no all-reduce).
 _REPLICATED = ("t", "s", "d", "g")
@@ -35,7 +38,11 @@ _REPLICATED = ("t", "s", "d", "g")
 def _spec(kind: str, batch_axis, head_axis) -> P:
   return {"q": P(batch_axis, None, head_axis, None, None),
           "kv": P(batch_axis, None, head_axis, None),
-          "row": P(batch_axis, head_axis, None, None)}[kind]
+          "row": P(batch_axis, head_axis, None, None),
+          "len": P(batch_axis),
+          "qseg": P(batch_axis, None),
+          "kvseg": P(batch_axis, None),
+          "sink": P(head_axis, None)}[kind]
 
 
 def _axes(sharding, kind: str):

@@ -1,0 +1,126 @@
+"""The API's kernel path end to end: dispatch, custom_vjp, lse cotangent, sinks,
+the announced XLA backward, vmap, and sharded jit.
+
+On the CPU the kernels run in GPU interpret mode (small shapes); on a Hopper GPU
+the same tests run the compiled kernels.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import flash3
+from flash3._device import hopper_device_kind
+
+ON_GPU = hopper_device_kind() is not None
+pytestmark = pytest.mark.interpret
+
+
+def _kernels():
+  """Interpret mode on the CPU, the real kernels on a GPU."""
+  return flash3.interpret_kernels() if not ON_GPU else warnings.catch_warnings()
+
+
+def _inputs(B=1, Tq=72, Tk=88, N=4, K=2, D=64, dtype=jnp.bfloat16, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, Tq, N, D), dtype)
+  k = jax.random.normal(ks[1], (B, Tk, K, D), dtype)
+  v = jax.random.normal(ks[2], (B, Tk, K, D), dtype)
+  do = jax.random.normal(ks[3], (B, Tq, N, D), dtype)
+  return q, k, v, do
+
+
+def _loss(impl, kw):
+  """A loss that uses o and the lse, so the lse cotangent reaches the backward."""
+  def loss(q, k, v, *sinks):
+    extra = dict(kw, sinks=sinks[0]) if sinks else kw
+    o, lse = flash3.dot_product_attention(q, k, v, implementation=impl,
+                                          return_residual=True, **extra)
+    o = o.astype(jnp.float32)
+    return (o * o).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum(), (o, lse)
+  return loss
+
+
+def _check_against_reference(kw, with_sinks=False, **shape):
+  q, k, v, _ = _inputs(**shape)
+  args = (q, k, v) + ((jnp.linspace(-1.0, 2.0, q.shape[2]),) if with_sinks else ())
+  argnums = tuple(range(len(args)))
+  with _kernels():
+    (_, (o, lse)), grads = jax.value_and_grad(
+        _loss("mosaic", kw), argnums=argnums, has_aux=True)(*args)
+  f32 = tuple(a.astype(jnp.float32) for a in args)
+  (_, (o_ref, lse_ref)), grads_ref = jax.value_and_grad(
+      _loss("xla", kw), argnums=argnums, has_aux=True)(*f32)
+  # The same math in bfloat16 (the reference on rounded inputs) sets the scale.
+  assert np.isfinite(np.asarray(o)).all()
+  np.testing.assert_allclose(o, o_ref, atol=3e-2, rtol=3e-2)
+  np.testing.assert_array_equal(lse == -jnp.inf, lse_ref == -jnp.inf)
+  finite = jnp.isfinite(lse_ref)
+  np.testing.assert_allclose(jnp.where(finite, lse, 0), jnp.where(finite, lse_ref, 0),
+                             atol=2e-3)
+  for name, g, g_ref in zip("qkvs", grads, grads_ref):
+    g = np.asarray(g, np.float32)
+    assert np.isfinite(g).all(), name
+    err = np.abs(g - g_ref).max() / (np.abs(g_ref).max() + 1e-6)
+    assert err < 2e-2, (name, err)
+
+
+def test_causal_gqa_gradients_through_kernels_with_lse_cotangent():
+  _check_against_reference(dict(is_causal=True, causal_alignment="bottom_right"))
+
+
+def test_sinks_gradient_from_kernel_backward_and_xla_reduction():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # No fallback: sinks run in the kernels.
+    _check_against_reference(dict(is_causal=True), with_sinks=True)
+
+
+def test_options_without_backward_kernel_say_so_and_stay_right():
+  from flash3 import _dispatch
+  from flash3.kernels import backward
+  kw = dict(query_seq_lengths=jnp.array([50]), key_value_seq_lengths=jnp.array([70]),
+            logits_soft_cap=4.0)
+  needs = {"lengths", "softcap"} - set(getattr(backward, "SUPPORTED_FEATURES", ()))
+  _dispatch._warned.clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _check_against_reference(kw)
+  messages = [str(w.message) for w in caught]
+  if needs:
+    assert any("backward of this call runs on the XLA reference path" in m for m in messages)
+  else:
+    assert not any("XLA reference path" in m for m in messages)
+
+
+def test_vmap_folds_into_batch():
+  q, k, v, _ = _inputs(B=2, Tq=40, Tk=40)
+  with _kernels():
+    got = jax.vmap(lambda q, k, v: flash3.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic"))(q[:, None], k[:, None], v[:, None])
+  want = flash3.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(got[:, 0].astype(jnp.float32), want.astype(jnp.float32),
+                             atol=3e-2)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_sharded_jit_equals_unsharded():
+  n = 2
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+  q, k, v, _ = _inputs(B=2, Tq=64, Tk=64, dtype=jnp.float16)
+  shard = NamedSharding(mesh, P("data"))
+  args = [jax.device_put(x, shard) for x in (q, k, v)]
+  with _kernels():
+    f = jax.jit(lambda q, k, v: flash3.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic"))
+    got = f(*args)
+    hlo = f.lower(*args).compile().as_text()
+  want = flash3.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-3)
+  if ON_GPU:  # Interpreted kernels are not partitioned (see _kernel_call).
+    assert not re.search(r"all-gather|all-to-all", hlo)
+    assert tuple(got.sharding.spec)[:1] == ("data",)
