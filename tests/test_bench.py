@@ -174,6 +174,16 @@ def test_parse_defaults_and_quick():
   assert args.impls == ("cudnn", "flash3") and args.modes == ("fwd",)
 
 
+def test_seqlens_and_head_dims_filter_a_suite():
+  args = cli.parse(["--suite", "fa3", "--seqlens", "4096,16384", "--head-dims", "128",
+                    "--dtypes", "bfloat16"])
+  selected = cli.select_cases(args)
+  assert {(c.q_len, c.head_dim) for c in selected} == {(4096, 128), (16384, 128)}
+  assert len(selected) == 4  # causal and not
+  with pytest.raises(ValueError, match="leave no case"):
+    cli.select_cases(cli.parse(["--seqlens", "7"]))
+
+
 @pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--modes", "bwd"],
                                   ["--window", "3"], ["--iterations", "0"],
                                   ["--suite", "nope"]])

@@ -16,6 +16,14 @@ from flash3.bench.cases import DTYPES, MODES, Case
 QUICK_ITERATIONS = 5
 
 
+def _ints(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected comma-separated integers") from None
+
+
 def _csv(choices: tuple[str, ...] | None = None):
   def parse(text: str) -> tuple[str, ...]:
     items = tuple(x.strip() for x in text.split(",") if x.strip())
@@ -97,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtypes", type=_csv(DTYPES), default=None,
                  help="comma-separated subset of float16,bfloat16 "
                       "(default: the suite's)")
+  p.add_argument("--seqlens", type=_ints, default=None,
+                 help="keep only the suite's cases with these query lengths, "
+                      "e.g. 4096,16384")
+  p.add_argument("--head-dims", type=_ints, default=None,
+                 help="keep only the suite's cases with these head dims, e.g. 128")
   p.add_argument("--impls", type=_csv(), default=None,
                  help="comma-separated contenders (default all): flash3, "
                       "cudnn, xla, jax-mgpu, tokamax")
@@ -134,7 +147,14 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
   if args.causal or args.window is not None or args.docs is not None:
     raise ValueError("--causal, --window and --docs go with --shape")
   suite = "quick" if args.quick else args.suite
-  return cases_lib.suite_cases(suite, args.dtypes)
+  cases = cases_lib.suite_cases(suite, args.dtypes)
+  if args.seqlens is not None:
+    cases = [c for c in cases if c.q_len in args.seqlens]
+  if args.head_dims is not None:
+    cases = [c for c in cases if c.head_dim in args.head_dims]
+  if not cases:
+    raise ValueError("--seqlens/--head-dims leave no case of the suite")
+  return cases
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
