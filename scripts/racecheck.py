@@ -1,0 +1,32 @@
+"""Tiny calls of every kernel for `compute-sanitizer --tool racecheck` on an H100/H200.
+
+Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
+and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1.
+"""
+import jax
+import jax.numpy as jnp
+
+import flash3
+
+ks = jax.random.split(jax.random.key(0), 3)
+q = jax.random.normal(ks[0], (1, 192, 2, 64), jnp.bfloat16)
+k = jax.random.normal(ks[1], (1, 200, 1, 64), jnp.bfloat16)
+v = jax.random.normal(ks[2], (1, 200, 1, 64), jnp.bfloat16)
+calls = {
+    "plain": {},
+    "causal bottom-right": dict(is_causal=True, causal_alignment="bottom_right"),
+    "lengths+segments+softcap+sinks": dict(
+        is_causal=True, query_seq_lengths=jnp.array([150]),
+        key_value_seq_lengths=jnp.array([170]),
+        query_segment_ids=jnp.repeat(jnp.arange(3), 64)[None],
+        key_value_segment_ids=jnp.concatenate([jnp.repeat(jnp.arange(3), 64),
+                                               jnp.full((8,), 2)])[None],
+        logits_soft_cap=20.0, sinks=jnp.zeros((2,))),
+}
+for name, kw in calls.items():
+  def loss(q, k, v):
+    o = flash3.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+    return (o.astype(jnp.float32) ** 2).sum()
+  value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+  finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+  print(f"{name}: loss {float(value):.4f}, finite gradients {finite}")
