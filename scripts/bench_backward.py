@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 
-from flash3.kernels.backward import attention_backward
+import dataclasses
+
+from flash3.kernels.backward import BackwardConfig, attention_backward
 from flash3.visibility import MaskSpec
 
 
@@ -39,6 +41,8 @@ def main():
   parser.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
   parser.add_argument("--dtype", default="float16")
   parser.add_argument("--iters", type=int, default=5)
+  parser.add_argument("--fuse", action="store_true",
+                      help="BackwardConfig.fuse_matmuls=True (heuristic otherwise)")
   args = parser.parse_args()
   dtype = jnp.dtype(args.dtype)
   try:
@@ -78,7 +82,11 @@ def main():
           lse = jnp.swapaxes(lse, 1, 2)
           o = o.astype(dtype)
           m_f = float("nan")
-        bwd = functools.partial(attention_backward, scale=scale, mask=mask)
+        config = BackwardConfig.heuristic(D, T, T, mask)
+        if args.fuse:
+          config = dataclasses.replace(config, fuse_matmuls=True)
+        bwd = functools.partial(attention_backward, scale=scale, mask=mask,
+                                config=config)
         m_b = timed(bwd, q, k, v, o, lse, do, iters=args.iters)
         print(f"{D} {T} {int(causal)} | {tf(c_f):.0f} {tf(c_fb, 3.5):.0f} "
               f"{tf(c_b, 2.5):.0f} | {tf(m_f):.0f} {tf(m_b, 2.5):.0f} | "

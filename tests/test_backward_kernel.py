@@ -535,6 +535,7 @@ def test_gpu_deterministic_20_runs():
                    compute_wgs_dkv=1, num_stages=3),
     BackwardConfig(block_q_dq=128, block_kv_dq=64, block_kv_dkv=128,
                    block_q_dkv=64, num_stages=2),
+    BackwardConfig(fuse_matmuls=True),
 ])
 def test_gpu_other_configs(config):
   check(1, 700, 900, 4, 2, 64, F16, CAUSAL_BR, config=config)

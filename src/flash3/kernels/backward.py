@@ -81,6 +81,9 @@ class BackwardConfig:
     num_stages: depth of the shared-memory ring of streamed tiles.
     split_dkv: compute dk and dv in two launches of the dk/dv kernel, each
       holding one float32 accumulator (head_dim 256 has no registers for two).
+    fuse_matmuls: in the dk/dv kernel, issue dv += pT do and dpT = v do^T
+      before one wgmma wait (GPU path only; interpret mode runs them apart).
+      Off by default: not yet measured or run on a GPU.
   """
 
   block_q_dq: int = 64
@@ -91,6 +94,7 @@ class BackwardConfig:
   compute_wgs_dkv: int = 2
   num_stages: int = 2
   split_dkv: bool = False
+  fuse_matmuls: bool = False
 
   def __post_init__(self):
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -98,8 +102,9 @@ class BackwardConfig:
     _check_int("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
     _check_int("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     _check_int("num_stages", self.num_stages, 1, 1, 8)
-    if not isinstance(self.split_dkv, bool):
-      raise ValueError(f"split_dkv={self.split_dkv!r} must be a bool")
+    for name in ("split_dkv", "fuse_matmuls"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2,
                  interpret: bool = False) -> tuple[int, int]:
@@ -467,11 +472,20 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           pT = jnp.where(keep, pT, 0.0)
         plgpu.barrier_wait(do_bars.at[slot])
         plgpu.barrier_wait(delta_bars.at[slot])
-        if want_dv:
+        fused = config.fuse_matmuls and want_dk and want_dv and not staged
+        if fused:  # GPU path: dv += pT @ do and dpT = v @ do^T, one wait.
+          def both(refs):
+            plgpu.wgmma(refs[0], pT.astype(dtype), do_smem)
+            plgpu.wgmma(refs[1], v_smem, do_smem.transpose((1, 0)))
+          zeros_t = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32),
+                                      plgpu.Layout.WGMMA)
+          dv, dpT = pl.run_state(both)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros_t)))
+        elif want_dv:
           dv = common.accumulate_register_lhs(dv, pT.astype(dtype), do_smem,
                                               staging=staging)
         if want_dk:
-          dpT = common.matmul_smem(v_smem, do_smem.transpose((1, 0)), (bk, bq))
+          if not fused:
+            dpT = common.matmul_smem(v_smem, do_smem.transpose((1, 0)), (bk, bq))
           if release_early:
             plgpu.barrier_arrive(consumed.at[slot])
           delta_col = plgpu.load(delta_ring.at[slot], layout=col)
