@@ -35,6 +35,16 @@ kernels it is carried as ``lse * log2(e)`` to use exp2. Rows with lse = -inf
 GPU interpret mode: the only difference is ``common.uses_register_operands``
 (register-operand wgmma on the GPU, staging through shared memory when
 interpreted).
+
+Limitations (today):
+* Mosaic's tiled TMA views the sequence axis in rows of 8, so Tq or Tk that
+  is not a multiple of 8 costs one zero-padded copy of q, o, do (or k, v).
+* dq = ds @ k multiplies a key row nobody sees by 0 when it shares a key tile
+  with seen keys, so NaN/inf written there reaches dq (case E07; the keys'
+  own dk, dv are exactly 0). Padding lengths (issue 6) will need those rows
+  zeroed in shared memory before the dq wgmma.
+* Two kernels recompute s and dp (7 matmuls per tile pair against
+  FlashAttention-3's 5 with atomic dq): the price of bitwise determinism.
 """
 
 from __future__ import annotations
