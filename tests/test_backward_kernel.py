@@ -219,6 +219,7 @@ INTERPRET_CASES = [
     (1, 256, 192, 2, 1, 128, BF16, NO_MASK, True),
     (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10), False),
     (1, 5, 3, 1, 1, 64, BF16, CAUSAL_BR, False),       # tiny, dead rows
+    (1, 72, 130, 2, 1, 256, F16, CAUSAL_BR, False),    # D 256: split dk/dv, 1 wg
 ]
 
 
