@@ -8,6 +8,7 @@ test:
 	FLASH3_EXTRAS=test,bench,examples bash scripts/env.sh
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests
 
-# On an H200 (the device machine): GPU tests with the image's python3.
+# On an H100/H200 with jax and its CUDA plugin already installed (the image's python3):
+# every GPU test (slow: Mosaic GPU compiles each shape).
 gpu-test:
-	PYTHONPATH=src python3 -m pytest -q -m gpu tests
+	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider -m gpu tests
