@@ -12,3 +12,4 @@ test:
 # every GPU test (slow: Mosaic GPU compiles each shape).
 gpu-test:
 	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider -m gpu tests
+	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests/test_mosaic_path.py
