@@ -629,3 +629,353 @@ def test_tile_plans_cover_mask(mask, Tq, Tk):
         k_lo = cta * 2 * bk + w * bk
         sections = backward._own_sections(plan, cta_lo, cta_hi)
         _check_plan(plan, sections, None, keep_t[k_lo:k_lo + bk], bq, Tq)
+
+
+# ----------------------------------------------------------------------------
+# Issue 6: lengths, soft cap, segment ids (oracle: jax.grad of
+# flash3.reference.attention_reference in float32)
+# ----------------------------------------------------------------------------
+
+from flash3.reference import attention_reference  # noqa: E402
+
+OPTION_NAMES = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
+
+
+def _as_arrays(opts):
+  """Lists in opts (lengths, segment ids) as int32 arrays; softcap stays a float."""
+  return {name: (jnp.asarray(x, jnp.int32) if name in OPTION_NAMES else x)
+          for name, x in opts.items()}
+
+
+def _reference_kwargs(opts):
+  return dict(query_seq_lengths=opts.get("q_lengths"),
+              key_value_seq_lengths=opts.get("kv_lengths"),
+              query_segment_ids=opts.get("q_segment_ids"),
+              key_value_segment_ids=opts.get("kv_segment_ids"),
+              logits_soft_cap=opts.get("softcap"))
+
+
+def _low_precision_reference(q, k, v, *, scale, mask, opts):
+  """The reference's math with scores, soft cap, P and P @ V in the input dtype."""
+  B, Tq, N, D = q.shape
+  Tk, K = k.shape[1], k.shape[2]
+  dt = q.dtype
+  kr, vr = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+  kw = _reference_kwargs(opts)
+  kw.pop("logits_soft_cap")
+  keep = dense_mask(mask, Tq, Tk, **kw)
+  s = (jnp.einsum("bqnd,bknd->bnqk", q, kr).astype(dt) * scale).astype(jnp.float32)
+  if opts.get("softcap") is not None:
+    c = opts["softcap"]
+    s = (c * jnp.tanh(s / c)).astype(dt).astype(jnp.float32)
+  s = jnp.where(keep, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  p = jnp.where(keep, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1.0)
+  o = jnp.einsum("bnqk,bknd->bqnd", p.astype(dt), vr).astype(jnp.float32)
+  return o
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "mask", "softcap"))
+def _opts_grads(q, k, v, do, arrays, *, scale, mask, softcap):
+  """(o in q.dtype, lse (B, N, Tq), float32 grads, low-precision grads)."""
+  opts = dict(arrays, softcap=softcap)
+  f32 = lambda x: x.astype(jnp.float32)
+
+  def ref(q, k, v):
+    o, lse = attention_reference(q, k, v, scale=scale, spec=mask,
+                                 **_reference_kwargs(opts))
+    return o, lse
+
+  (o, lse), vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+  grads = vjp((f32(do), jnp.zeros_like(lse)))
+  _, vjp_low = jax.vjp(lambda q, k, v: _low_precision_reference(
+      q, k, v, scale=scale, mask=mask, opts=opts), q, k, v)
+  low = vjp_low(do.astype(jnp.float32))
+  return o.astype(q.dtype), lse.transpose(0, 2, 1), grads, low
+
+
+def run_opts(q, k, v, do, *, scale, mask, opts, interpret, o_lse=None, config=None):
+  opts = _as_arrays(opts)
+  arrays = {n: x for n, x in opts.items() if n in OPTION_NAMES}
+  if o_lse is None:
+    o_lse = _opts_grads(q, k, v, do, arrays, scale=scale, mask=mask,
+                        softcap=opts.get("softcap"))[:2]
+  if not interpret:
+    poison_device_memory()
+  f = jax.jit(functools.partial(attention_backward, scale=scale, mask=mask,
+                                config=config, interpret=interpret,
+                                softcap=opts.get("softcap")))
+  return f(q, k, v, *o_lse, do, **arrays)
+
+
+def check_opts(B, Tq, Tk, N, K, D, dtype, mask, *, interpret, seed=0,
+               scale=None, factor=FACTOR, config=None, **opts):
+  """The kernels with options vs jax.grad of attention_reference (FA3 rule);
+  rows past q_len and keys past kv_len exactly 0. Returns inputs and grads."""
+  q, k, v, do = make_inputs(jax.random.key(seed), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5 if scale is None else scale
+  opts = _as_arrays(opts)
+  arrays = {n: x for n, x in opts.items() if n in OPTION_NAMES}
+  o, lse, ref, low = _opts_grads(q, k, v, do, arrays, scale=scale, mask=mask,
+                                 softcap=opts.get("softcap"))
+  grads = run_opts(q, k, v, do, scale=scale, mask=mask, opts=opts,
+                   interpret=interpret, o_lse=(o, lse), config=config)
+  for name, got, r, lo, like in zip(("dq", "dk", "dv"), grads, ref, low, (q, k, v)):
+    assert got.shape == like.shape and got.dtype == like.dtype, name
+    got = np.asarray(got.astype(jnp.float32))
+    r, lo = np.asarray(r, np.float32), np.asarray(lo.astype(jnp.float32))
+    assert np.isfinite(got).all(), f"NaN or inf in {name}"
+    err = float(np.max(np.abs(got - r))) if got.size else 0.0
+    low_err = float(np.max(np.abs(lo - r))) if got.size else 0.0
+    atol = 1e-3 * max(1.0, float(np.max(np.abs(r))) if got.size else 1.0)
+    assert err <= factor * low_err + atol, (
+        f"{name}: max error {err:.3g} > {factor} * {low_err:.3g} + {atol:.3g}")
+  if "q_lengths" in opts:
+    dead = np.arange(Tq)[None, :] >= np.asarray(opts["q_lengths"])[:, None]
+    assert not np.asarray(grads[0].astype(jnp.float32))[dead].any(), "dq past q_len"
+  if "kv_lengths" in opts:
+    dead = np.arange(Tk)[None, :] >= np.asarray(opts["kv_lengths"])[:, None]
+    for name, g in (("dk", grads[1]), ("dv", grads[2])):
+      assert not np.asarray(g.astype(jnp.float32))[dead].any(), f"{name} past kv_len"
+  return (q, k, v, do), (o, lse), grads
+
+
+def _f32(x):
+  return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def test_supported_features_names():
+  assert backward.SUPPORTED_FEATURES <= {"lengths", "segments", "softcap"}
+  assert "lengths" in backward.SUPPORTED_FEATURES
+
+
+def test_option_argument_errors():
+  x = jnp.zeros((2, 8, 2, 64), F16)
+  lse = jnp.zeros((2, 2, 8))
+  call = lambda **kw: attention_backward(x, x, x, x, lse, x, scale=1.0,
+                                         mask=NO_MASK, interpret=True, **kw)
+  with pytest.raises(ValueError, match="q_lengths"):
+    call(q_lengths=jnp.array([1, 2, 3], jnp.int32))
+  with pytest.raises(ValueError, match="kv_lengths"):
+    call(kv_lengths=jnp.array([1.0, 2.0]))
+  with pytest.raises(ValueError, match="together"):
+    call(q_segment_ids=jnp.zeros((2, 8), jnp.int32))
+  with pytest.raises(ValueError, match="softcap"):
+    call(softcap=-1.0)
+
+
+LENGTH_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, options
+    ("full", 2, 150, 200, 2, 1, 64, F16, NO_MASK,
+     dict(q_lengths=[150, 37], kv_lengths=[101, 200])),
+    ("causal_br_gqa", 2, 130, 190, 2, 1, 64, BF16, CAUSAL_BR,
+     dict(q_lengths=[90, 130], kv_lengths=[190, 65])),
+    ("causal_tl", 2, 100, 150, 2, 2, 64, F16, CAUSAL_TL,
+     dict(q_lengths=[100, 7], kv_lengths=[150, 60])),
+    ("window_br", 1, 190, 170, 1, 1, 64, BF16,
+     W(window_left=30, window_right=5, alignment="bottom_right"),
+     dict(q_lengths=[190], kv_lengths=[70])),
+    ("kv_only_causal_br", 2, 128, 136, 2, 1, 64, F16, CAUSAL_BR,
+     dict(kv_lengths=[129, 64])),
+    ("q_only_causal_br_d128", 2, 72, 130, 2, 1, 128, BF16, CAUSAL_BR,
+     dict(q_lengths=[1, 71])),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask,opts",
+                         [c[1:] for c in LENGTH_CASES],
+                         ids=[c[0] for c in LENGTH_CASES])
+def test_interpret_lengths(B, Tq, Tk, N, K, D, dtype, mask, opts):
+  check_opts(B, Tq, Tk, N, K, D, dtype, mask, interpret=True, seed=Tq + Tk,
+             **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_lengths_other_paths():
+  """Lengths through one compute warpgroup, 3 stages, split dk/dv launches."""
+  config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
+                          compute_wgs_dkv=1, num_stages=3, split_dkv=True)
+  check_opts(2, 130, 150, 2, 1, 64, F16, CAUSAL_BR, interpret=True,
+             config=config, q_lengths=[130, 40], kv_lengths=[90, 150])
+
+
+def _e13_case(interpret):
+  lens = [24, 125, 53, 28, 77, 96, 13, 114]
+  B = 4 if interpret else 8
+  check_opts(B, 128, 128, 1, 1, 64, BF16, NO_MASK, interpret=interpret,
+             kv_lengths=lens[:B])
+
+
+@pytest.mark.interpret
+def test_interpret_e13_kv_lengths_only():
+  """E13: kv lengths only (first 4 of the case's 8 rows): padded keys get 0."""
+  _e13_case(True)
+
+
+def _e11_case(T, interpret):
+  """Lengths equal to T give the bitwise same gradients as no lengths."""
+  for mask in (NO_MASK, CAUSAL_BR):
+    (q, k, v, do), o_lse, grads = check_opts(
+        2, T, T, 2, 1, 64, BF16, mask, interpret=interpret, seed=T,
+        q_lengths=[T, T], kv_lengths=[T, T])
+    plain = run_kernels(q, k, v, do, scale=64 ** -0.5, mask=mask,
+                        interpret=interpret, o_lse=o_lse)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, plain):
+      np.testing.assert_array_equal(_f32(a), _f32(b), err_msg=name)
+
+
+@pytest.mark.interpret
+def test_interpret_e11_lengths_equal_t():
+  _e11_case(5, True)
+
+
+def _e07_lengths_case(interpret, D=64, N=2, K=1):
+  """NaN/inf/1e30 in q, do rows past q_len and k, v rows past kv_len change
+  no gradient of a valid row; invalid rows get exactly 0."""
+  B, Tq, Tk = 2, 150, 140
+  opts = _as_arrays(dict(q_lengths=[100, 150], kv_lengths=[140, 77]))
+  q, k, v, do = make_inputs(jax.random.key(17), B, Tq, Tk, N, K, D, BF16)
+  mask = CAUSAL_BR
+  arrays = {n: x for n, x in opts.items() if n in OPTION_NAMES}
+  o_lse = _opts_grads(q, k, v, do, arrays, scale=0.1, mask=mask, softcap=None)[:2]
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30, -jnp.inf], BF16)
+
+  def corrupt(x, lens):
+    T = x.shape[1]
+    dead = jnp.arange(T)[None, :] >= lens[:, None]
+    vals = bad[jnp.arange(T) % 4][None, :, None, None]
+    return jnp.where(dead[:, :, None, None], vals, x)
+
+  qb, dob = corrupt(q, opts["q_lengths"]), corrupt(do, opts["q_lengths"])
+  kb, vb = corrupt(k, opts["kv_lengths"]), corrupt(v, opts["kv_lengths"])
+  # The forward's lse past q_len with a sink would be finite: use garbage.
+  o, lse = o_lse
+  lse_bad = jnp.where(jnp.isneginf(lse), 3.0, lse)
+  o_bad = corrupt(o, opts["q_lengths"])
+  clean = run_opts(q, k, v, do, scale=0.1, mask=mask, opts=opts,
+                   interpret=interpret, o_lse=o_lse)
+  dirty = run_opts(qb, kb, vb, dob, scale=0.1, mask=mask, opts=opts,
+                   interpret=interpret, o_lse=(o_bad, lse_bad))
+  for name, a, b in zip(("dq", "dk", "dv"), clean, dirty):
+    np.testing.assert_array_equal(_f32(a), _f32(b), err_msg=name)
+  assert np.isfinite(_f32(dirty[0])).all()
+
+
+@pytest.mark.interpret
+def test_interpret_e07_nan_past_lengths():
+  _e07_lengths_case(True)
+
+
+def _e15_case(interpret, D=64):
+  """E15: zero-length queries or keys in a batch row: no NaN, zero gradients."""
+  (q, *_), _, (dq, dk, dv) = check_opts(
+      3, 100, 120, 2, 1, D, F16, CAUSAL_BR, interpret=interpret,
+      q_lengths=[0, 100, 37], kv_lengths=[120, 0, 50])
+  assert not _f32(dq)[:2].any()  # row 0: no query; row 1: no key to see
+  assert not _f32(dk)[:2].any() and not _f32(dv)[:2].any()
+
+
+@pytest.mark.interpret
+def test_interpret_e15_zero_lengths():
+  _e15_case(True)
+
+
+def _e06_case(interpret, D=64):
+  """E06 from padding lengths: bottom_right causal with q_len > kv_len leaves
+  rows that see no key; their dq is 0 and their do changes nothing."""
+  opts = _as_arrays(dict(q_lengths=[120, 60], kv_lengths=[30, 100]))
+  (q, k, v, do), o_lse, grads = check_opts(
+      2, 120, 100, 2, 1, D, BF16, CAUSAL_BR, interpret=interpret, seed=6, **opts)
+  keep = np.asarray(dense_mask(CAUSAL_BR, 120, 100, query_seq_lengths=opts["q_lengths"],
+                               key_value_seq_lengths=opts["kv_lengths"]))[:, 0]
+  dead = ~keep.any(-1)  # (B, Tq)
+  assert dead[0, :90].all() and dead[0, 90:].sum() == 0
+  assert not _f32(grads[0])[dead].any()
+  do2 = jnp.where(jnp.asarray(dead)[:, :, None, None], 1e4, do).astype(do.dtype)
+  again = run_opts(q, k, v, do2, scale=D ** -0.5, mask=CAUSAL_BR, opts=opts,
+                   interpret=interpret, o_lse=o_lse)
+  for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+    np.testing.assert_array_equal(_f32(a), _f32(b), err_msg=name)
+
+
+@pytest.mark.interpret
+def test_interpret_e06_dead_rows_from_lengths():
+  _e06_case(True)
+
+
+# GPU and cross-lowering: the same options on the register-operand path.
+
+GPU_OPTION_CASES = {
+    # name: (B, Tq, Tk, N, K, mask, options)
+    "lengths_causal_br": (2, 1000, 1100, 4, 2, CAUSAL_BR,
+                          dict(q_lengths=[1000, 333], kv_lengths=[1013, 1100])),
+    "lengths_tl_gqa": (2, 700, 500, 8, 2, CAUSAL_TL,
+                       dict(q_lengths=[1, 650], kv_lengths=[500, 129])),
+    "lengths_window": (1, 900, 900, 2, 1,
+                       W(window_left=100, window_right=20, alignment="bottom_right"),
+                       dict(q_lengths=[777], kv_lengths=[801])),
+}
+
+
+def _gpu_option_params():
+  for name, case in GPU_OPTION_CASES.items():
+    for D in (64, 128, 256):
+      for dtype in (F16, BF16):
+        yield pytest.param(D, dtype, case,
+                           id=f"D{D}-{jnp.dtype(dtype).name}-{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,dtype,case", list(_gpu_option_params()))
+def test_gpu_issue6_options(D, dtype, case):
+  B, Tq, Tk, N, K, mask, opts = case
+  check_opts(B, Tq, Tk, N, K, D, dtype, mask, interpret=False, seed=D + Tq,
+             **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_gpu_issue6_e07_nan_past_lengths(D):
+  _e07_lengths_case(False, D=D, N=4, K=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_gpu_issue6_e06_e13_e15(D):
+  _e06_case(False, D=D)
+  _e15_case(False, D=D)
+  if D == 128:
+    _e13_case(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_gpu_issue6_e11_lengths_equal_t_D128(T):
+  _e11_case(T, False)
+
+
+def _cross_lower(D, mask, config=None, **opts):
+  B, Tq, Tk, N, K = 2, 200, 136, 4, 2
+  q, k, v, do = make_inputs(jax.random.key(0), B, Tq, Tk, N, K, D, BF16)
+  lse = jnp.zeros((B, N, Tq), jnp.float32)
+  opts = _as_arrays(opts)
+  arrays = {n: x for n, x in opts.items() if n in OPTION_NAMES}
+  f = functools.partial(attention_backward, scale=0.1, mask=mask, config=config,
+                        softcap=opts.get("softcap"))
+  jax.jit(f).trace(q, k, v, q, lse, do, **arrays).lower(lowering_platforms=("cuda",))
+
+
+CROSS_LOWER_OPTIONS = {
+    "lengths": dict(q_lengths=[200, 17], kv_lengths=[5, 136]),
+}
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("feature", sorted(CROSS_LOWER_OPTIONS))
+def test_cross_lowers_for_cuda_with_options(feature, D):
+  """The GPU (register-operand) lowering of both kernels with each option."""
+  _cross_lower(D, CAUSAL_BR, **CROSS_LOWER_OPTIONS[feature])

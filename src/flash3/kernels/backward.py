@@ -36,13 +36,32 @@ GPU interpret mode: the only difference is ``common.uses_register_operands``
 (register-operand wgmma on the GPU, staging through shared memory when
 interpreted).
 
+Options (issue 6, semantics of docs/semantics.md; ``SUPPORTED_FEATURES``
+lists those tested):
+* q/kv lengths (B,) int32: read in-kernel as per-batch scalars from global
+  memory; they bound the tiles visited (so work scales with the valid part),
+  give bottom_right its per-batch shift kv_len - q_len, and mask boundary
+  tiles. E07: q, do rows past q_len and k, v rows past kv_len are selected to
+  0 in XLA first (one extra read+write of q, do, k and v, only with lengths),
+  and lse/delta of rows past q_len are set to +inf/0 (p = 0 whatever the
+  forward wrote there, sinks included). dq rows past q_len and dk, dv rows
+  past kv_len are selected to exactly 0 at the end.
+* soft cap c: s_c = c tanh(scale s / c), p = exp(s_c - lse) and
+  ds = p (dp - delta) (1 - tanh^2), with tanh recomputed in the kernel (held
+  in registers for the tile: one more (block_q, block_kv) float32 array).
+* segment ids: per row tile, the other axis' tile range its documents may
+  touch and the run of tiles that need no per-element id mask are computed
+  once per call in XLA (``forward._segment_tile_ranges``; for the dk/dv
+  kernel with queries and keys swapped); boundary tiles compare ids loaded
+  from global memory.
+
 Limitations (today):
 * Mosaic's tiled TMA views the sequence axis in rows of 8, so Tq or Tk that
   is not a multiple of 8 costs one zero-padded copy of q, o, do (or k, v).
 * dq = ds @ k multiplies a key row nobody sees by 0 when it shares a key tile
   with seen keys, so NaN/inf written there reaches dq (case E07; the keys'
-  own dk, dv are exactly 0). Padding lengths (issue 6) will need those rows
-  zeroed in shared memory before the dq wgmma.
+  own dk, dv are exactly 0). Rows past the lengths are safe (zeroed in
+  XLA); rows hidden by causal, a window or segment ids are not.
 * Two kernels recompute s and dp (7 matmuls per tile pair against
   FlashAttention-3's 5 with atomic dq): the price of bitwise determinism.
 """
@@ -61,12 +80,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import common
+from flash3.kernels.forward import _check_extras, _segment_tile_ranges
 from flash3.visibility import MaskSpec
 
 # Opt-in shared memory per CTA on sm90, minus room for barriers.
 SMEM_LIMIT_BYTES = 227 * 1024
 _SMEM_RESERVED_BYTES = 1024
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+# Optional inputs of ``attention_backward`` that pass the tests (issue 6); the
+# API runs the XLA reference backward for the others. Sinks need nothing here.
+SUPPORTED_FEATURES = frozenset({"lengths"})
 
 
 def _check_int(name: str, value: Any, multiple: int, lo: int, hi: int) -> None:
@@ -241,6 +264,45 @@ def _own_sections(plan, cta_lo, cta_hi):
   return t_lo, a, b, t_hi
 
 
+def _limit_plan(plan, seg):
+  """Intersects a tile plan with segment tile ranges ``[lo, hi, full_lo, full_hi)``."""
+  nonempty, t_lo, a, b, t_hi = plan
+  s_lo, s_hi, f_lo, f_hi = seg
+  t_lo = jnp.maximum(t_lo, s_lo)
+  t_hi = jnp.maximum(jnp.minimum(t_hi, s_hi), t_lo)
+  nonempty = nonempty & (t_hi > t_lo)
+  a = _clamp(jnp.maximum(a, f_lo), t_lo, t_hi)
+  b = _clamp(jnp.minimum(b, f_hi), a, t_hi)
+  return nonempty, t_lo, a, b, t_hi
+
+
+def _probabilities(s, lse2, *, scale: float, softcap: float | None):
+  """p = exp(scale s (soft-capped) - lse) via exp2, and tanh(scale s / c) or None.
+
+  ``lse2`` is lse * log2(e), already broadcast to s's shape.
+  """
+  if softcap is None:
+    return jnp.exp2(s * (scale * common.LOG2_E) - lse2), None
+  th = jnp.tanh(s * (scale / softcap))
+  return jnp.exp2(th * (softcap * common.LOG2_E) - lse2), th
+
+
+def _through_softcap(ds, th):
+  """d/ds of c tanh(s / c) is 1 - tanh^2: the chain rule through the soft cap."""
+  return ds if th is None else ds * (1.0 - th * th)
+
+
+def _split_extras(refs, has_lengths: bool, has_segments: bool, b):
+  """(q_len, kv_len) scalars (or None) and the segment refs (or None) of one batch row."""
+  refs = list(refs)
+  lens = None
+  if has_lengths:
+    # Per-batch scalars: scalar loads from global memory, kept in registers.
+    q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
+    lens = (q_len_ref[b], kv_len_ref[b])
+  return lens, (tuple(refs) if has_segments else None)
+
+
 def _set_registers(num_compute_wgs: int, compute: bool) -> None:
   # setmaxnreg: 64K registers shared by the compute warpgroups and the producer.
   if num_compute_wgs == 2:
@@ -264,29 +326,45 @@ def _drain_loop(lo, hi, slot_of, ready_barriers, consumed):
 
 
 def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-             interpret):
+             interpret, lengths=None, segments=None, softcap=None):
+  """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
+
+  ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths.
+  ``segments``: None or (q_ids, kv_ids, ranges): ids padded to whole tiles and
+  the (B, query tiles, 4) key tile ranges of ``_segment_tile_ranges``.
+  """
   batch, _, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
   wgs, stages = config.compute_wgs_dq, config.num_stages
   bq, bk = config.block_q_dq, config.block_kv_dq
-  shift = mask.shift(q_len, kv_len)
   staged = not common.uses_register_operands(interpret)
-  log2e_scale = scale * common.LOG2_E
   num_q_tiles = pl.cdiv(q_len, wgs * bq)
+  extra = ((*lengths,) if lengths is not None else ()) + (
+      (*segments,) if segments is not None else ())
 
-  def plan_of(q_lo):
-    q_hi = jnp.minimum(q_lo + bq, q_len)
-    k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kv_len)
-    f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kv_len)
-    return _tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
-
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-             q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
-             staging2, q_bars, do_bars, lse_bars, delta_bars,
-             k_bars, v_bars, consumed):
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    extra_refs, rest = rest[:len(extra)], rest[len(extra):]
+    (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
+     staging2, q_bars, do_bars, lse_bars, delta_bars,
+     k_bars, v_bars, consumed) = rest
     b = lax.axis_index("batch")
+    lens, seg_refs = _split_extras(extra_refs, lengths is not None,
+                                   segments is not None, b)
+    ql, kl = (q_len, kv_len) if lens is None else lens
+    shift = mask.shift(ql, kl)
+
+    def plan_of(q_lo):
+      q_hi = jnp.minimum(q_lo + bq, ql)
+      k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kl)
+      f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kl)
+      plan = _tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
+      if seg_refs is not None:
+        tile = lax.div(q_lo, jnp.int32(bq))
+        plan = _limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
+      return plan
+
     h = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
@@ -314,23 +392,35 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       lse2_row = plgpu.load(lse_smem, layout=row)
       delta_row = plgpu.load(delta_smem, layout=row)
       t_lo, a, b_full, t_hi = _own_sections(plan_of(q_lo), cta_lo, cta_hi)
+      if seg_refs is not None:  # This warpgroup's query ids, one per row.
+        q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(q_lo, bq)], layout=row,
+                           optimized=False)
 
       def step(t, dq, masked: bool):
         slot = slot_of(t)
         k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
         plgpu.barrier_wait(k_bars.at[slot])
         s = common.matmul_smem(q_smem, k_smem.transpose((1, 0)), (bq, bk))
-        p = jnp.exp2(s * log2e_scale - lax.broadcast_in_dim(lse2_row, s.shape, [0]))
+        p, th = _probabilities(s, lax.broadcast_in_dim(lse2_row, s.shape, [0]),
+                               scale=scale, softcap=softcap)
         if masked:
           q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
           k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
                                                   layout=plgpu.Layout.WGMMA)
-          keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kv_len)
+          keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kl)
+          if lens is not None:
+            keep = keep & (q_ids < ql)
+          if seg_refs is not None:
+            k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
+                               layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            keep = keep & (lax.broadcast_in_dim(q_seg, s.shape, [0])
+                           == lax.broadcast_in_dim(k_seg, s.shape, [1]))
           p = jnp.where(keep, p, 0.0)
         plgpu.barrier_wait(v_bars.at[slot])
         dp = common.matmul_smem(do_smem, v_smem.transpose((1, 0)), (bq, bk))
-        ds = p * (dp - lax.broadcast_in_dim(delta_row, dp.shape, [0]))
+        ds = _through_softcap(
+            p * (dp - lax.broadcast_in_dim(delta_row, dp.shape, [0])), th)
         if masked:  # Select, so NaN/inf in masked V rows cannot leak.
           ds = jnp.where(keep, ds, 0.0)
         dq = common.accumulate_register_lhs(dq, ds.astype(dtype), k_smem,
@@ -345,7 +435,12 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       dq = lax.fori_loop(a, b_full, functools.partial(step, masked=False), dq)
       dq = lax.fori_loop(b_full, t_hi, functools.partial(step, masked=True), dq)
       _drain_loop(t_hi, cta_hi, slot_of, (k_bars, v_bars), consumed)
-      q_smem[...] = (dq * scale).astype(dtype)
+      dq = dq * scale
+      if lens is not None:  # Rows past q_len: exactly 0 (selected).
+        q_row = q_lo + plgpu.broadcasted_iota(jnp.int32, dq.shape, 0,
+                                              layout=plgpu.Layout.WGMMA)
+        dq = jnp.where(q_row < ql, dq, 0.0)
+      q_smem[...] = dq.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
@@ -399,7 +494,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *extra)
 
 
 # ---------------------------------------------------------------------------
@@ -407,10 +502,13 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
 
 def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-              interpret, outputs: tuple[str, ...], release_early: bool = False):
+              interpret, outputs: tuple[str, ...], release_early: bool = False,
+              lengths=None, segments=None, softcap=None):
   """Returns dk and/or dv (``outputs`` names which) in the input dtype.
 
   q_len, kv_len are the true lengths; the arrays may be longer (padded).
+  ``lengths``, ``segments`` as in ``_dq_call``, the segment ranges here being
+  per key tile of ``block_kv_dkv`` rows: the query tiles it may see.
   ``release_early`` is for tests only: it releases each streamed slot before
   its last read (the delta load), a deliberate race that race detection in
   interpret mode must report.
@@ -421,23 +519,33 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   dtype = q.dtype
   wgs, stages = config.compute_wgs_dkv, config.num_stages
   bq, bk = config.block_q_dkv, config.block_kv_dkv
-  shift = mask.shift(q_len, kv_len)
   staged = not common.uses_register_operands(interpret)
-  log2e_scale = scale * common.LOG2_E
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
-
-  def plan_of(k_lo):
-    k_hi = jnp.minimum(k_lo + bk, kv_len)
-    q_lo, q_hi = mask.query_range(k_lo, k_hi, shift, q_len)
-    f_lo, f_hi = mask.full_query_range(k_lo, k_hi, shift, q_len)
-    return _tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq)
+  extra = ((*lengths,) if lengths is not None else ()) + (
+      (*segments,) if segments is not None else ())
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    extra_refs, rest = rest[:len(extra)], rest[len(extra):]
     out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
      k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed) = rest
     b = lax.axis_index("batch")
+    lens, seg_refs = _split_extras(extra_refs, lengths is not None,
+                                   segments is not None, b)
+    ql, kl = (q_len, kv_len) if lens is None else lens
+    shift = mask.shift(ql, kl)
+
+    def plan_of(k_lo):
+      k_hi = jnp.minimum(k_lo + bk, kl)
+      q_lo, q_hi = mask.query_range(k_lo, k_hi, shift, ql)
+      f_lo, f_hi = mask.full_query_range(k_lo, k_hi, shift, ql)
+      plan = _tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq)
+      if seg_refs is not None:
+        tile = lax.div(k_lo, jnp.int32(bk))
+        plan = _limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
+      return plan
+
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     cta_k_lo = lax.axis_index("kv_tiles") * (wgs * bk)
@@ -462,6 +570,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       t_lo, a, b_full, t_hi = _own_sections(plan_of(k_lo), cta_lo, cta_hi)
       col = plgpu.Layout.WGMMA.reduce(0)
       ready = (q_bars, do_bars, lse_bars, delta_bars)
+      if seg_refs is not None:  # This warpgroup's key ids, one per row.
+        k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
+                           layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
       def step(t, carry, head_base, masked: bool):
         dk, dv = carry
@@ -471,14 +582,20 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         plgpu.barrier_wait(lse_bars.at[slot])
         sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), (bk, bq))
         lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
-        pT = jnp.exp2(sT * log2e_scale - lax.broadcast_in_dim(lse2_col, sT.shape, [1]))
+        pT, th = _probabilities(sT, lax.broadcast_in_dim(lse2_col, sT.shape, [1]),
+                                scale=scale, softcap=softcap)
         if masked:
           k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, sT.shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
           q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, sT.shape, 1,
                                                   layout=plgpu.Layout.WGMMA)
-          keep = (mask.visible(q_ids, k_ids, shift) & (q_ids < q_len)
-                  & (k_ids < kv_len))
+          keep = (mask.visible(q_ids, k_ids, shift) & (q_ids < ql)
+                  & (k_ids < kl))
+          if seg_refs is not None:
+            q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(t * bq, bq)], layout=col,
+                               optimized=False)
+            keep = keep & (lax.broadcast_in_dim(k_seg, sT.shape, [0])
+                           == lax.broadcast_in_dim(q_seg, sT.shape, [1]))
           pT = jnp.where(keep, pT, 0.0)
         plgpu.barrier_wait(do_bars.at[slot])
         plgpu.barrier_wait(delta_bars.at[slot])
@@ -499,7 +616,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           if release_early:
             plgpu.barrier_arrive(consumed.at[slot])
           delta_col = plgpu.load(delta_ring.at[slot], layout=col)
-          dsT = pT * (dpT - lax.broadcast_in_dim(delta_col, dpT.shape, [1]))
+          dsT = _through_softcap(
+              pT * (dpT - lax.broadcast_in_dim(delta_col, dpT.shape, [1])), th)
           if masked:  # Select, so NaN/inf in masked rows cannot leak.
             dsT = jnp.where(keep, dsT, 0.0)
           dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
@@ -527,8 +645,16 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       dv = zeros() if want_dv else None
       dk, dv = lax.fori_loop(0, group, head, (dk, dv))
       # K and V are no longer read: reuse their tiles to stage the results.
-      results = {"dk": (k_smem, None if dk is None else dk * scale),
-                 "dv": (v_smem, dv)}
+      if dk is not None:
+        dk = dk * scale
+      if lens is not None:
+        # Keys past kv_len: exactly 0 (selected; a query tile that sees all
+        # of this warpgroup's valid keys runs unmasked over the rest).
+        k_row = k_lo + plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0,
+                                              layout=plgpu.Layout.WGMMA)
+        dk = None if dk is None else jnp.where(k_row < kl, dk, 0.0)
+        dv = None if dv is None else jnp.where(k_row < kl, dv, 0.0)
+      results = {"dk": (k_smem, dk), "dv": (v_smem, dv)}
       for name in outputs:
         smem, value = results[name]
         smem[...] = value.astype(dtype)
@@ -594,7 +720,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *extra)
 
 
 # ---------------------------------------------------------------------------
@@ -623,10 +749,39 @@ def backward_residuals(o, lse, do, pad_to: int, delta=None):
   return pad(lse2, jnp.inf), pad(delta, 0.0)
 
 
+def _segment_inputs(q_ids, kv_ids, config: BackwardConfig):
+  """Per-call segment inputs of (the dq kernel, the dk/dv kernel).
+
+  Each is (q_ids, kv_ids, ranges): the ids padded to whole tiles of both
+  kernels (padded positions are masked by length), and per row tile the
+  other axis' tile ranges ``[lo, hi, full_lo, full_hi)`` of
+  ``forward._segment_tile_ranges`` (for the dk/dv kernel with the roles of
+  queries and keys swapped: per key tile, the query tiles it may see).
+  Computed once per call in XLA: O(B * tiles_q * tiles_kv) int work.
+  """
+  tq, tk = q_ids.shape[1], kv_ids.shape[1]
+  wq, bq, bk = config.compute_wgs_dq, config.block_q_dq, config.block_kv_dq
+  dq_ranges = _segment_tile_ranges(
+      q_ids, kv_ids, block_q=bq, block_kv=bk,
+      num_q_tiles=pl.cdiv(tq, wq * bq) * wq, num_kv_tiles=pl.cdiv(tk, bk))
+  wk, bk2, bq2 = config.compute_wgs_dkv, config.block_kv_dkv, config.block_q_dkv
+  dkv_ranges = _segment_tile_ranges(
+      kv_ids, q_ids, block_q=bk2, block_kv=bq2,
+      num_q_tiles=pl.cdiv(tk, wk * bk2) * wk, num_kv_tiles=pl.cdiv(tq, bq2))
+  lq = max(pl.cdiv(tq, wq * bq) * wq * bq, pl.cdiv(tq, bq2) * bq2)
+  lk = max(pl.cdiv(tk, bk) * bk, pl.cdiv(tk, wk * bk2) * wk * bk2)
+  q_ids = jnp.pad(q_ids, ((0, 0), (0, lq - tq)))
+  kv_ids = jnp.pad(kv_ids, ((0, 0), (0, lk - tk)))
+  return (q_ids, kv_ids, dq_ranges), (q_ids, kv_ids, dkv_ranges)
+
+
 def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                        config: BackwardConfig | None = None,
                        interpret: bool | plgpu.InterpretGPUParams = False,
-                       delta: jax.Array | None = None):
+                       delta: jax.Array | None = None,
+                       q_lengths=None, kv_lengths=None,
+                       q_segment_ids=None, kv_segment_ids=None,
+                       softcap: float | None = None):
   """Gradients of softmax attention (FlashAttention-3 backward, Section 3).
 
   Args:
@@ -642,14 +797,23 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     delta: optional (B, N, Tq) float32 to use in ds = p * (dp - delta);
       None computes rowsum(o * do) in float32. (Pass rowsum(o * do) - dlse
       to include a cotangent of lse.)
+    q_lengths, kv_lengths: None or (B,) int32 valid lengths (one alone: the
+      other is full), as in ``attention_forward``: rows i >= q_len get dq = 0,
+      keys j >= kv_len get dk = dv = 0, neither contributes anything, and
+      bottom_right aligns on kv_len - q_len per batch row.
+    q_segment_ids, kv_segment_ids: None or (B, Tq), (B, Tk) int32, both or
+      neither: a query sees only keys with the same id.
+    softcap: None or c > 0: the forward's scores were c * tanh(scale q.k / c)
+      (Gemma 2); the chain rule multiplies ds by 1 - tanh^2.
 
   Returns:
     dq (B, Tq, N, D), dk, dv (B, Tk, K, D) in the input dtype. Deterministic:
     no atomics, a fixed accumulation order.
 
   Raises:
-    ValueError: unsupported shapes or dtypes (see ``unsupported_reason``) or a
-      config that does not fit shared memory.
+    ValueError: unsupported shapes or dtypes (see ``unsupported_reason``), a
+      config that does not fit shared memory, or malformed lengths, segment
+      ids or soft cap.
   """
   if (reason := unsupported_reason(q.shape, k.shape, q.dtype, mask)) is not None:
     raise ValueError(f"attention_backward: {reason}")
@@ -669,6 +833,18 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                     interpret=common.is_interpret(interpret))
   do = do.astype(q.dtype)
   kv_len = k.shape[1]
+  extras = _check_extras(b, q_len, kv_len, n, q_lengths, kv_lengths,
+                         q_segment_ids, kv_segment_ids, softcap, None)
+  lengths = extras["lengths"]
+  if lengths is not None:
+    # E07: q, do rows past q_len and k, v rows past kv_len may hold NaN/Inf;
+    # 0 * NaN is NaN, so they are selected to 0 here (one extra read+write
+    # of q, do, k and v; only when lengths are given).
+    q_ok = jnp.arange(q_len, dtype=jnp.int32)[None, :] < lengths[0][:, None]
+    k_ok = jnp.arange(kv_len, dtype=jnp.int32)[None, :] < lengths[1][:, None]
+    zero = lambda x, ok: jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
+    q, do = zero(q, q_ok), zero(do, q_ok)
+    k, v = zero(k, k_ok), zero(v, k_ok)
   # Mosaic's tiled TMA views a sequence axis in rows of 8, so a length that is
   # not a multiple of 8 is zero-padded up to one (a copy of q, do or k, v
   # only then; the masks use the true lengths and the results are sliced).
@@ -682,10 +858,21 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
   lse2, delta = backward_residuals(o, lse, do, pad_to, delta)
+  if lengths is not None:
+    # Rows past q_len: p = 0 (lse +inf) and delta 0, whatever o or lse hold.
+    rows = jnp.arange(lse2.shape[2], dtype=jnp.int32)[None, None, :]
+    ok = rows < lengths[0][:, None, None]
+    lse2 = jnp.where(ok, lse2, jnp.inf)
+    delta = jnp.where(ok, delta, 0.0)
   scale = float(scale)
   kwargs = dict(q_len=q_len, kv_len=kv_len, scale=scale, mask=mask,
-                config=config, interpret=interpret)
-  dq = _dq_call(q, k, v, do, lse2, delta, **kwargs)
+                config=config, interpret=interpret, lengths=lengths,
+                softcap=extras["softcap"])
+  dq_segments = dkv_segments = None
+  if extras["segments"] is not None:
+    dq_segments, dkv_segments = _segment_inputs(*extras["segments"], config)
+  dq = _dq_call(q, k, v, do, lse2, delta, segments=dq_segments, **kwargs)
+  kwargs["segments"] = dkv_segments
   if config.split_dkv:
     (dk,) = _dkv_call(q, k, v, do, lse2, delta, outputs=("dk",), **kwargs)
     (dv,) = _dkv_call(q, k, v, do, lse2, delta, outputs=("dv",), **kwargs)
