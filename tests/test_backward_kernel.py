@@ -907,6 +907,36 @@ def test_interpret_e06_dead_rows_from_lengths():
   _e06_case(True)
 
 
+SOFTCAP_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, scale, options
+    ("full", 1, 130, 150, 2, 1, 64, F16, NO_MASK, 0.5, dict(softcap=5.0)),
+    ("causal_tl_gqa", 1, 150, 190, 2, 1, 64, BF16, CAUSAL_TL, 0.5,
+     dict(softcap=3.0)),
+    ("causal_br_d128", 1, 100, 136, 2, 2, 128, F16, CAUSAL_BR, 0.3,
+     dict(softcap=8.0)),
+    ("window_lengths", 2, 120, 140, 2, 1, 64, BF16,
+     W(window_left=40, window_right=10, alignment="bottom_right"), 0.5,
+     dict(softcap=4.0, q_lengths=[120, 50], kv_lengths=[90, 140])),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask,scale,opts",
+                         [c[1:] for c in SOFTCAP_CASES],
+                         ids=[c[0] for c in SOFTCAP_CASES])
+def test_interpret_softcap(B, Tq, Tk, N, K, D, dtype, mask, scale, opts):
+  """Large logits (scale 0.3-0.5 on unit normals) so tanh saturates."""
+  check_opts(B, Tq, Tk, N, K, D, dtype, mask, interpret=True, seed=Tq,
+             scale=scale, **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_softcap_split_dkv_d256():
+  """Soft cap through the head_dim 256 configuration (split dk/dv, 1 wg)."""
+  check_opts(1, 72, 130, 2, 1, 256, BF16, CAUSAL_BR, interpret=True, scale=0.2,
+             softcap=6.0)
+
+
 # GPU and cross-lowering: the same options on the register-operand path.
 
 GPU_OPTION_CASES = {
@@ -918,6 +948,10 @@ GPU_OPTION_CASES = {
     "lengths_window": (1, 900, 900, 2, 1,
                        W(window_left=100, window_right=20, alignment="bottom_right"),
                        dict(q_lengths=[777], kv_lengths=[801])),
+    "softcap_causal_br": (1, 1000, 1037, 4, 2, CAUSAL_BR, dict(softcap=1.5)),
+    "softcap_lengths_gqa": (2, 600, 700, 8, 2, CAUSAL_TL,
+                            dict(softcap=2.0, q_lengths=[600, 99],
+                                 kv_lengths=[333, 700])),
 }
 
 
@@ -971,6 +1005,7 @@ def _cross_lower(D, mask, config=None, **opts):
 
 CROSS_LOWER_OPTIONS = {
     "lengths": dict(q_lengths=[200, 17], kv_lengths=[5, 136]),
+    "softcap": dict(softcap=20.0),
 }
 
 
