@@ -138,6 +138,8 @@ def _backward_call(static: KernelArgs, names: tuple[str, ...]):
     B, T, K, G, _ = q5.shape
     extra = _kernel_extras(names, extra_values)
     extra.pop("sinks", None)  # Inside lse already; its gradient is done in XLA.
+    if static.softcap is not None:
+      extra["softcap"] = static.softcap
     dq, dk, dv = attention_backward(
         sharding.merge_heads(q5), k, v, sharding.merge_heads(o5),
         lse.reshape(B, K * G, T), sharding.merge_heads(do5),
