@@ -937,6 +937,97 @@ def test_interpret_softcap_split_dkv_d256():
              softcap=6.0)
 
 
+
+def _packed(*docs, pad_id=None, T=None):
+  """Segment ids of consecutive documents of the given lengths (ids 0, 1, ...);
+  positions past their sum up to T get ``pad_id``."""
+  ids = np.concatenate([np.full(n, i) for i, n in enumerate(docs)])
+  if T is not None:
+    ids = np.concatenate([ids, np.full(T - ids.size, pad_id)])
+  return ids.astype(np.int32)
+
+
+SEGMENT_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, options
+    ("two_docs_causal_tl", 1, 150, 150, 2, 1, 64, F16, CAUSAL_TL,
+     dict(q_segment_ids=[_packed(70, 80)], kv_segment_ids=[_packed(70, 80)])),
+    ("many_docs_gqa_br", 2, 130, 190, 2, 1, 64, BF16, CAUSAL_BR,
+     dict(q_segment_ids=[_packed(1, 1, 40, 64, 20, 4), _packed(130)],
+          kv_segment_ids=[_packed(61, 1, 60, 64, 3, 1), _packed(100, 90)])),
+    ("one_doc_no_mask", 1, 192, 192, 2, 2, 64, F16, NO_MASK,
+     dict(q_segment_ids=[_packed(192)], kv_segment_ids=[_packed(192)])),
+    ("unsorted_window", 1, 128, 136, 1, 1, 64, BF16,
+     W(window_left=20, window_right=5),
+     dict(q_segment_ids=[np.arange(128) % 3], kv_segment_ids=[np.arange(136) // 7 % 3])),
+    ("padding_doc_lengths_softcap", 2, 140, 150, 2, 1, 64, F16, CAUSAL_BR,
+     dict(q_segment_ids=[_packed(60, 50, pad_id=7, T=140), _packed(140)],
+          kv_segment_ids=[_packed(60, 50, pad_id=8, T=150), _packed(10, 140)],
+          q_lengths=[120, 140], kv_lengths=[150, 100], softcap=4.0)),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask,opts",
+                         [c[1:] for c in SEGMENT_CASES],
+                         ids=[c[0] for c in SEGMENT_CASES])
+def test_interpret_segments(B, Tq, Tk, N, K, D, dtype, mask, opts):
+  check_opts(B, Tq, Tk, N, K, D, dtype, mask, interpret=True, seed=Tq + 1,
+             **opts)
+
+
+@pytest.mark.interpret
+def test_interpret_segments_other_paths():
+  """Segments through one compute warpgroup, 3 stages, split dk/dv, blocks of 64."""
+  config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
+                          compute_wgs_dkv=1, num_stages=3, split_dkv=True)
+  ids = _packed(30, 1, 70, 29)
+  check_opts(1, 130, 130, 2, 1, 64, F16, CAUSAL_TL, interpret=True, config=config,
+             q_segment_ids=[ids], kv_segment_ids=[ids])
+
+
+def _e14_case(interpret, D=64, T=190):
+  """E14: packed documents (length 1, across tile boundaries, trailing padding):
+  with do only on one document's rows, every other document's dk, dv and dq
+  are exactly 0."""
+  ids = _packed(1, 63, 66, 2, 30, pad_id=9, T=T)
+  opts = dict(q_segment_ids=[ids, ids[::-1].copy()],
+              kv_segment_ids=[ids, ids[::-1].copy()])
+  (q, k, v, do), o_lse, _ = check_opts(2, T, T, 4, 2, D, BF16, CAUSAL_TL,
+                                       interpret=interpret, **opts)
+  doc = 2  # rows [64, 130) in batch row 0
+  ids_b = np.stack([ids, ids[::-1]])
+  only = jnp.asarray(ids_b == doc)[:, :, None, None]
+  do1 = jnp.where(only, do, jnp.zeros((), do.dtype))
+  dq, dk, dv = run_opts(q, k, v, do1, scale=D ** -0.5, mask=CAUSAL_TL,
+                        opts=_as_arrays(opts), interpret=interpret, o_lse=o_lse)
+  other = ids_b != doc
+  assert not _f32(dq)[other].any() and not _f32(dk)[other].any()
+  assert not _f32(dv)[other].any()
+  assert _f32(dk)[~other].any() and _f32(dv)[~other].any()
+
+
+@pytest.mark.interpret
+def test_interpret_e14_cross_document_gradients_zero():
+  _e14_case(True)
+
+
+def _e15_segments_case(interpret, D=64):
+  """E15/E06 with segment ids: a query document with no key of its id (and a
+  key document with no query) gets zero gradients, no NaN."""
+  q_ids = _packed(40, 50, 40)       # ids 0, 1, 2
+  kv_ids = _packed(40, 90) * 2      # ids 0, 2: no key of id 1
+  (_, _, (dq, dk, dv)) = check_opts(
+      1, 130, 130, 2, 1, D, F16, NO_MASK, interpret=interpret,
+      q_segment_ids=[q_ids], kv_segment_ids=[kv_ids])
+  assert not _f32(dq)[0, 40:90].any()
+  assert _f32(dq)[0, :40].any()
+
+
+@pytest.mark.interpret
+def test_interpret_e15_empty_documents():
+  _e15_segments_case(True)
+
+
 # GPU and cross-lowering: the same options on the register-operand path.
 
 GPU_OPTION_CASES = {
@@ -952,6 +1043,17 @@ GPU_OPTION_CASES = {
     "softcap_lengths_gqa": (2, 600, 700, 8, 2, CAUSAL_TL,
                             dict(softcap=2.0, q_lengths=[600, 99],
                                  kv_lengths=[333, 700])),
+    "segments_causal_gqa": (2, 1000, 1000, 8, 2, CAUSAL_TL,
+                            dict(q_segment_ids=[_packed(1, 300, 129, 500, 70),
+                                                _packed(1000)],
+                                 kv_segment_ids=[_packed(1, 300, 129, 500, 70),
+                                                 _packed(1000)])),
+    "segments_window_lengths": (1, 900, 1000, 4, 4,
+                                W(window_left=200, window_right=0,
+                                  alignment="bottom_right"),
+                                dict(q_segment_ids=[_packed(400, 500)],
+                                     kv_segment_ids=[_packed(450, 550)],
+                                     q_lengths=[850], kv_lengths=[990])),
 }
 
 
@@ -987,6 +1089,13 @@ def test_gpu_issue6_e06_e13_e15(D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_gpu_issue6_e14_e15_segments(D):
+  _e14_case(False, D=D, T=1000)
+  _e15_segments_case(False, D=D)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2, 3, 5])
 def test_gpu_issue6_e11_lengths_equal_t_D128(T):
   _e11_case(T, False)
@@ -1006,6 +1115,8 @@ def _cross_lower(D, mask, config=None, **opts):
 CROSS_LOWER_OPTIONS = {
     "lengths": dict(q_lengths=[200, 17], kv_lengths=[5, 136]),
     "softcap": dict(softcap=20.0),
+    "segments": dict(q_segment_ids=[_packed(100, 100), _packed(200)],
+                     kv_segment_ids=[_packed(36, 100), _packed(136)]),
 }
 
 

@@ -92,7 +92,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # "softcap" passes this file's tests but is held back: _kernel_call's backward
 # does not pass ``softcap=`` to attention_backward yet, so advertising it would
 # give the API uncapped gradients. Add it here together with that argument.
-SUPPORTED_FEATURES = frozenset({"lengths"})
+SUPPORTED_FEATURES = frozenset({"lengths", "segments"})
 
 
 def _check_int(name: str, value: Any, multiple: int, lo: int, hi: int) -> None:
