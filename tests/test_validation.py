@@ -349,3 +349,39 @@ def test_segment_ids_as_lists_work_or_fail_clearly():
     assert "segment_ids" in str(e), str(e)
   else:
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ----- drop-in behaviour found by a first user ---------------------------------
+
+def test_float64_numpy_inputs_become_float32_like_jax_nn():
+  rng = np.random.default_rng(0)
+  q, k = rng.standard_normal((1, 8, 2, 4)), rng.standard_normal((1, 8, 2, 4))
+  got = flash3.dot_product_attention(q, k, k, is_causal=True, implementation="xla")
+  want = jax.nn.dot_product_attention(q, k, k, is_causal=True, implementation="xla")
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("flag", [1, np.bool_(True), jnp.array(True)])
+def test_is_causal_accepts_concrete_truthy_flags(flag):
+  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+  got = flash3.dot_product_attention(q, q, q, is_causal=flag, implementation="xla")
+  want = flash3.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("window", [2**31, (2**40, 0), np.int64(10**12)])
+def test_huge_windows_mean_no_limit(window):
+  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+  left, right = (window, window) if not isinstance(window, tuple) else window
+  got = flash3.dot_product_attention(q, q, q, local_window_size=window, implementation="xla")
+  want = flash3.dot_product_attention(
+      q, q, q, local_window_size=(min(left, 16), min(right, 16)), implementation="xla")
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("scale", ["abc", "0.5", True])
+def test_scale_must_be_a_number(scale):
+  q = jnp.ones((1, 4, 1, 8))
+  with pytest.raises(ValueError, match="scale="):
+    flash3.dot_product_attention(q, q, q, scale=scale)

@@ -49,7 +49,9 @@ def _shape(x) -> tuple[int, ...]:
 
 
 def _dtype(x):
-  return jnp.result_type(x) if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
+  """The dtype jax will use (float64 NumPy input is float32 unless x64 is on, as in jax.nn)."""
+  dtype = jnp.result_type(x) if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
+  return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _is_concrete(x) -> bool:
@@ -76,7 +78,19 @@ def _check_broadcast(name: str, x, target: tuple[int, ...]) -> None:
         f"{name} has shape {shape}, which does not broadcast to (B, N, Tq, Tk) = {target}")
 
 
-def _window(local_window_size) -> tuple[int, int] | None:
+def _flag(name: str, value) -> bool:
+  """A bool known at trace time: True/False, 0/1, or a concrete 0-d bool array."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, (int, np.integer)) and value in (0, 1):
+    return bool(value)
+  if (hasattr(value, "dtype") and getattr(value, "shape", None) == ()
+      and jnp.dtype(value.dtype) == jnp.bool_ and _is_concrete(value)):
+    return bool(value)
+  raise TypeError(f"{name}={value!r}; allowed: True or False, known at trace time")
+
+
+def _window(local_window_size, longest: int) -> tuple[int, int] | None:
   if local_window_size is None:
     return None
   if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
@@ -93,7 +107,9 @@ def _window(local_window_size) -> tuple[int, int] | None:
     raise ValueError(
         f"local_window_size={local_window_size!r} has a negative size; "
         "allowed: sizes >= 0 (0 keeps only the aligned position itself)")
-  return window
+  # No aligned query is further than Tq + Tk from any key: larger sizes mean
+  # the same, so clip them (a huge "no limit" value must not overflow int32).
+  return (min(window[0], longest), min(window[1], longest))
 
 
 def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
@@ -123,10 +139,14 @@ def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
 
 
 def _positive_finite(name: str, value) -> float:
+  if isinstance(value, (bool, np.bool_, str, bytes)) or isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"{name}={value!r}; allowed: a finite Python or NumPy number, known at trace "
+        "time (the kernels are compiled for it)")
   try:
     value = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise ValueError(f"{name}={value!r}; allowed: a finite Python or NumPy float") from None
+  except (TypeError, ValueError):
+    raise ValueError(f"{name}={value!r}; allowed: a finite Python or NumPy number") from None
   if not math.isfinite(value):
     raise ValueError(f"{name}={value!r}; allowed: a finite number")
   return value
@@ -143,10 +163,8 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
         "(for cuDNN call jax.nn.dot_product_attention)")
   if causal_alignment not in ALIGNMENTS:
     raise ValueError(f"causal_alignment={causal_alignment!r}; allowed: {ALIGNMENTS}")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal={is_causal!r}; allowed: True or False")
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise TypeError(f"return_residual={return_residual!r}; allowed: True or False")
+  is_causal = _flag("is_causal", is_causal)
+  _flag("return_residual", return_residual)
 
   # Python lists and tuples are arrays to jax.nn; take them the same way.
   as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
@@ -189,7 +207,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     raise ValueError(
         f"query has N={N} heads and key has K={K}; allowed: K >= 1 dividing N (GQA/MQA)")
 
-  window = _window(local_window_size)
+  window = _window(local_window_size, Tq + Tk)
   spec = MaskSpec(causal=bool(is_causal), alignment=causal_alignment,
                   window_left=None if window is None else window[0],
                   window_right=None if window is None else window[1])
