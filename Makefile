@@ -5,7 +5,7 @@ demo:
 	bash scripts/demo.sh
 
 test:
-	FLASH3_EXTRAS=test,bench,examples bash scripts/env.sh
+	FLASH3_EXTRAS=test,bench,examples$$(nvidia-smi -L >/dev/null 2>&1 && echo ,cuda) bash scripts/env.sh
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests
 
 # On an H100/H200 with jax and its CUDA plugin already installed (the image's python3):

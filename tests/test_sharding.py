@@ -84,11 +84,11 @@ def test_zigzag_round_trip_and_order():
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (True, (5, 0))])
 def test_context_parallel_equals_unsharded(layout, causal, window):
   mesh = _mesh((2, 2), ("data", "ctx"))
   q, k, v = _qkv(B=2, T=32, N=4, K=2)
-  win = None if window is None else (window, 0)
+  win = window if window is None or isinstance(window, tuple) else (window, 0)
   kw = dict(is_causal=causal, local_window_size=win, implementation="xla")
   to = (lambda x: zigzag(x, 2)) if layout == "zigzag" else (lambda x: x)
   back = (lambda x: unzigzag(x, 2)) if layout == "zigzag" else (lambda x: x)
@@ -134,3 +134,5 @@ def test_context_parallel_rejects_bad_arguments():
     context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="seq")
   with pytest.raises(ValueError, match="local_window_size"):
     context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="ctx", local_window_size=3)
+  with pytest.raises(ValueError, match="rank 4"):
+    context_parallel_attention(q[0], k[0], v[0], mesh=mesh, sequence_axis="ctx")

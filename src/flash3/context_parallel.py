@@ -75,7 +75,7 @@ def context_parallel_attention(
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     is_causal: bool = False,
     scale: float | None = None,
-    local_window_size: int | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
     query_segment_ids: jax.Array | None = None,
     key_value_segment_ids: jax.Array | None = None,
     logits_soft_cap: float | None = None,
@@ -97,8 +97,8 @@ def context_parallel_attention(
     layout: "zigzag" (inputs already in ``zigzag`` order; balanced for causal)
       or "contiguous" (device r holds the r-th slice).
     is_causal: causal self-attention on global positions.
-    local_window_size: with is_causal, an int ``left``: keys at most ``left``
-      before the query are kept (a causal sliding window).
+    local_window_size: with is_causal, an int ``left`` or ``(left, 0)``: keys
+      at most ``left`` before the query are kept (a causal sliding window).
     query_segment_ids, key_value_segment_ids: (B, T) int32 in the same layout.
     scale, logits_soft_cap, sinks, implementation, return_residual: as in
       ``flash3.dot_product_attention``.
@@ -116,6 +116,13 @@ def context_parallel_attention(
                      ("head_axis", head_axis)):
     if axis is not None and axis not in mesh.axis_names:
       raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if len(x.shape) != 4:
+      raise ValueError(
+          f"{name} has shape {tuple(x.shape)}; allowed: rank 4 (B, T, heads, D)")
+  if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 \
+      and local_window_size[1] == 0:
+    local_window_size = local_window_size[0]  # (left, 0) is the causal left window.
   if query.shape[1] != key.shape[1]:
     raise ValueError(
         f"query has T={query.shape[1]} and key T={key.shape[1]}; allowed: equal "
@@ -123,7 +130,7 @@ def context_parallel_attention(
   if local_window_size is not None and (not is_causal or not isinstance(local_window_size, int)):
     raise ValueError(
         f"local_window_size={local_window_size!r}; allowed: None, or an int left "
-        "window together with is_causal=True")
+        "window (or (left, 0)) together with is_causal=True")
   num_shards = mesh.shape[sequence_axis]
   chunks = 2 * num_shards if layout == "zigzag" else num_shards
   if query.shape[1] % chunks:
