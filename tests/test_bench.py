@@ -186,12 +186,22 @@ def test_seqlens_and_head_dims_filter_a_suite():
 
 @pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--modes", "bwd"],
                                   ["--window", "3"], ["--iterations", "0"],
-                                  ["--suite", "nope"]])
+                                  ["--suite", "nope"],
+                                  ["--list", "--shape", "B=2,T=64,N=4,D=64", "--docs", "0"]])
 def test_bad_arguments_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
   assert e.value.code == 2
   assert "flash3-bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--list", "--impls", "bogus"],
+                                  ["--replot", "/nonexistent.json"],
+                                  ["--replot", "README.md"]])
+def test_bad_inputs_return_2_with_one_line(argv, capsys):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("flash3-bench:") and "Traceback" not in err
 
 
 def test_list_runs_without_gpu(capsys):

@@ -16,6 +16,16 @@ from flash3.bench.cases import DTYPES, MODES, Case
 QUICK_ITERATIONS = 5
 
 
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+  return value
+
+
 def _ints(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(x) for x in text.split(","))
@@ -100,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--causal", action="store_true", help="with --shape")
   p.add_argument("--window", type=_window, default=None,
                  help="with --shape: local window LEFT,RIGHT (inclusive)")
-  p.add_argument("--docs", type=int, default=None,
+  p.add_argument("--docs", type=_positive_int, default=None,
                  help="with --shape: packed documents of equal length per row")
   p.add_argument("--dtypes", type=_csv(DTYPES), default=None,
                  help="comma-separated subset of float16,bfloat16 "
@@ -214,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     print(f"flash3-bench: {e}", file=sys.stderr)
     return 2
+  if args.impls is not None:
+    from flash3.bench import implementations
+    try:
+      implementations.select(list(args.impls))
+    except ValueError as e:
+      print(f"flash3-bench: {e}", file=sys.stderr)
+      return 2
   if args.list:
     for case in selected:
       print(f"{case.suite:6s} {case.label()}")
@@ -221,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   if args.replot:
     from flash3.bench import report
-    env, results = report.read_json(args.replot)
+    try:
+      env, results = report.read_json(args.replot)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      print(f"flash3-bench: cannot read --replot {args.replot}: {e}", file=sys.stderr)
+      return 2
     _emit(results, env, args.out, not args.no_plots)
     return 0
   from flash3.bench import implementations
