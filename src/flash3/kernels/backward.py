@@ -89,10 +89,7 @@ _SMEM_RESERVED_BYTES = 1024
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Optional inputs of ``attention_backward`` that pass the tests (issue 6); the
 # API runs the XLA reference backward for the others. Sinks need nothing here.
-# "softcap" passes this file's tests but is held back: _kernel_call's backward
-# does not pass ``softcap=`` to attention_backward yet, so advertising it would
-# give the API uncapped gradients. Add it here together with that argument.
-SUPPORTED_FEATURES = frozenset({"lengths", "segments"})
+SUPPORTED_FEATURES = frozenset({"lengths", "segments", "softcap"})
 
 
 def _check_int(name: str, value: Any, multiple: int, lo: int, hi: int) -> None:
