@@ -1129,3 +1129,48 @@ CROSS_LOWER_OPTIONS = {
 def test_cross_lowers_for_cuda_with_options(feature, D):
   """The GPU (register-operand) lowering of both kernels with each option."""
   _cross_lower(D, CAUSAL_BR, **CROSS_LOWER_OPTIONS[feature])
+
+
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_TL, CAUSAL_BR], ids=["full", "tl", "br"])
+def test_segment_tile_plans_cover_mask_and_skip(mask):
+  """Host-side: both kernels' tile plans with segment ranges and lengths visit
+  every visible pair, need no mask only where all pairs are visible, and skip
+  tiles outside the documents (work scales with what is visible)."""
+  Tq = Tk = 512
+  q_ids = _packed(100, 156, 128, 128)
+  kv_ids = _packed(100, 156, 128, 128)
+  ql, kl = 500, 470
+  keep = np.asarray(dense_mask(mask, Tq, Tk, query_seq_lengths=jnp.array([ql]),
+                               key_value_seq_lengths=jnp.array([kl]),
+                               query_segment_ids=jnp.asarray(q_ids)[None],
+                               key_value_segment_ids=jnp.asarray(kv_ids)[None]))[0, 0]
+  config = BackwardConfig(block_q_dq=64, block_kv_dq=64, block_kv_dkv=64,
+                          block_q_dkv=64)
+  (_, _, dq_ranges), (_, _, dkv_ranges) = backward._segment_inputs(
+      jnp.asarray(q_ids)[None], jnp.asarray(kv_ids)[None], config)
+  dq_ranges, dkv_ranges = np.asarray(dq_ranges)[0], np.asarray(dkv_ranges)[0]
+  shift = mask.shift(ql, kl)
+  for rows_len, cols_len, ranges, keep_rc, transpose in (
+      (ql, kl, dq_ranges, keep, False), (kl, ql, dkv_ranges, keep.T, True)):
+    visited = 0
+    for tile in range(-(-(Tq if not transpose else Tk) // 64)):
+      lo = tile * 64
+      hi = min(lo + 64, rows_len)
+      if transpose:
+        s_lo, s_hi = mask.query_range(lo, hi, shift, cols_len)
+        f_lo, f_hi = mask.full_query_range(lo, hi, shift, cols_len)
+      else:
+        s_lo, s_hi = mask.key_range(lo, hi, shift, cols_len)
+        f_lo, f_hi = mask.full_key_range(lo, hi, shift, cols_len)
+      plan = backward._tile_plan(lo, hi, s_lo, s_hi, f_lo, f_hi, 64)
+      plan = backward._limit_plan(plan, [int(x) for x in ranges[tile]])
+      nonempty, t_lo, a, b, t_hi = (int(x) for x in plan)
+      # Rows past the length need no mask (lse +inf / final select).
+      rows = keep_rc[lo:max(hi, lo)]
+      if not nonempty:
+        assert not rows.any(), tile
+        continue
+      visited += t_hi - t_lo
+      _check_plan(plan, (t_lo, a, b, t_hi), None, rows, 64, cols_len)
+    # 8 x 8 tiles in all; the four documents leave at most 2 * 8 + 8 visible.
+    assert visited <= 24, visited
