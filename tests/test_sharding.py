@@ -136,3 +136,28 @@ def test_context_parallel_rejects_bad_arguments():
     context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="ctx", local_window_size=3)
   with pytest.raises(ValueError, match="rank 4"):
     context_parallel_attention(q[0], k[0], v[0], mesh=mesh, sequence_axis="ctx")
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("option", ["none", "lengths", "segments", "sinks"])
+def test_gpu_kernel_calls_trace_with_every_option(option, softcap):
+  """The GPU path (partitioned, not interpreted) traces forward and backward on the CPU.
+
+  custom_partitioning rejects functions that close over constants; on the H200 this
+  once broke the backward with segment ids, which interpret mode (unpartitioned)
+  could not see.
+  """
+  from flash3._kernel_call import Extras, KernelArgs, mosaic_attention
+  q = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 200, 1, 64), jnp.bfloat16)
+  extras = {
+      "none": Extras(),
+      "lengths": Extras(q_lengths=jnp.array([150]), kv_lengths=jnp.array([170])),
+      "segments": Extras(q_segment_ids=jnp.zeros((1, 192), jnp.int32),
+                         kv_segment_ids=jnp.zeros((1, 200), jnp.int32)),
+      "sinks": Extras(sinks=jnp.zeros((2,))),
+  }[option]
+  static = KernelArgs(scale=0.1, spec=MaskSpec(causal=True), interpret=False,
+                      softcap=softcap)
+  loss = lambda q, k, v: mosaic_attention(q, k, v, extras, static)[0].astype(jnp.float32).sum()
+  jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k)

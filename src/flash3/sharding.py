@@ -60,6 +60,9 @@ def partitioned(fn: Callable, in_kinds: Sequence[str], out_kinds: Sequence[str])
       it must be correct on any batch / head slice (attention is).
     in_kinds, out_kinds: "q", "kv" or "row" for each operand and result.
   """
+  # custom_partitioning refuses functions whose jaxpr closes over constants
+  # (any jnp.array([...]) inside); under jit those stay in the inner jaxpr.
+  fn = jax.jit(fn)
   wrapped = custom_partitioning(fn)
 
   def partition(mesh, arg_shapes, result_shape):
