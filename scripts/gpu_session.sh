@@ -18,6 +18,7 @@ mkdir -p "$R"
 START=$(date +%s)
 DEADLINE=${DEADLINE:-560}
 STEPS=${STEPS:-150}
+TRAIN=${TRAIN:-1}  # 0: no training comparison
 TESTS=${TESTS:-"(options and 128 and bfloat16) or (issue6 and D128 and not fp16) or deterministic or output_written"}
 BENCH=${BENCH:-"--suite fa3 --seqlens 4096,16384 --dtypes float16 --impls flash3,cudnn,jax-mgpu"}
 
@@ -52,16 +53,16 @@ lane_a() {
   stage tests_api 70 0 python3 -m pytest -q -p no:cacheprovider -rf tests/test_mosaic_path.py
   XLA_FLAGS=--xla_gpu_autotune_level=0 stage tests 240 0 python3 -m pytest -q -p no:cacheprovider \
     -m gpu -rf --maxfail=20 tests/test_forward_kernel.py tests/test_backward_kernel.py -k "$TESTS"
-  stage train_flash3 170 0 python3 -m examples.train_gpt --preset h200 --attention flash3 \
+  [ "$TRAIN" = 1 ] && stage train_flash3 170 0 python3 -m examples.train_gpt --preset h200 --attention flash3 \
     --flash3-kernels-only --no-segments --seed 0 --steps "$STEPS" --no-progress --out "$R/train/flash3"
 }
 lane_b() {
   # shellcheck disable=SC2086
   stage bench 240 $B python3 -m flash3.bench $BENCH --iterations 5 --no-progress \
-    --time-budget 200 --out "$R/bench"
+    --time-budget ${BENCH_BUDGET:-200} --out "$R/bench"
   stage racecheck 90 $B compute-sanitizer --tool racecheck --print-limit 20 \
     python3 scripts/racecheck.py
-  stage train_cudnn 170 $B python3 -m examples.train_gpt --preset h200 --attention cudnn \
+  [ "$TRAIN" = 1 ] && stage train_cudnn 170 $B python3 -m examples.train_gpt --preset h200 --attention cudnn \
     --no-segments --seed 0 --steps "$STEPS" --no-progress --out "$R/train/cudnn"
 }
 
@@ -70,8 +71,8 @@ if [ "$B" = 1 ]; then
 else
   lane_a; lane_b
 fi
-python3 -m examples.train_gpt.compare "$R/train/flash3/log.json" "$R/train/cudnn/log.json" \
-  --out "$R/train" > "$R/compare.log" 2>&1
+[ "$TRAIN" = 1 ] && python3 -m examples.train_gpt.compare "$R/train/flash3/log.json" \
+  "$R/train/cudnn/log.json" --out "$R/train" > "$R/compare.log" 2>&1
 pack
 cat "$R/stages.txt"
 tail -n 25 "$R/tests.log" 2>/dev/null
