@@ -638,6 +638,14 @@ def test_interpret_rows_that_see_no_key_e06(sinks):
   assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
 
 
+def _poison_past(x, lengths):
+  """x with NaN, Inf and 1e30 (in turn) in the rows at or past each batch row's length."""
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30], x.dtype)
+  idx = jnp.arange(x.shape[1])
+  past = (idx[None, :] >= lengths[:, None])[:, :, None, None]
+  return jnp.where(past, bad[idx % 3][None, :, None, None], x)
+
+
 @pytest.mark.interpret
 def test_interpret_nan_past_lengths_changes_nothing_e07():
   """E07 (lengths): NaN/Inf/1e30 in q rows past q_len and k/v rows past kv_len."""
@@ -645,17 +653,11 @@ def test_interpret_nan_past_lengths_changes_nothing_e07():
   q, k, v = make_qkv(jax.random.key(70), B, Tq, Tk, 2, 1, 64, jnp.bfloat16)
   opts = _opts(dict(q_lengths=[100, 61], kv_lengths=[150, 37], softcap=4.0,
                     sinks=[0.5, 1.5]))
-  bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
-
-  def poison(x, lengths):
-    idx = jnp.arange(x.shape[1])
-    past = (idx[None, :] >= lengths[:, None])[:, :, None, None]
-    return jnp.where(past, bad[idx % 3][None, :, None, None], x)
 
   o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
   o2, lse2 = run_interpret_opts(
-      poison(q, opts["q_lengths"]), poison(k, opts["kv_lengths"]),
-      poison(v, opts["kv_lengths"]), scale=0.125, mask=CAUSAL_BR, **opts)
+      _poison_past(q, opts["q_lengths"]), _poison_past(k, opts["kv_lengths"]),
+      _poison_past(v, opts["kv_lengths"]), scale=0.125, mask=CAUSAL_BR, **opts)
   np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
   assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
@@ -906,16 +908,10 @@ def test_gpu_nan_past_lengths_and_unseen_tiles_e07(D):
   q, k, v = make_qkv(jax.random.key(77), B, Tq, Tk, 2, 1, D, jnp.bfloat16)
   opts = _opts(dict(q_lengths=[650, 129], kv_lengths=[1000, 65], softcap=20.0,
                     sinks=[0.5, 1.5]))
-  bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
-
-  def poison(x, lengths):
-    idx = jnp.arange(x.shape[1])
-    past = (idx[None, :] >= lengths[:, None])[:, :, None, None]
-    return jnp.where(past, bad[idx % 3][None, :, None, None], x)
 
   o, lse = attention_forward(q, k, v, scale=0.1, mask=CAUSAL_BR, **opts)
-  o2, lse2 = attention_forward(poison(q, opts["q_lengths"]), poison(k, opts["kv_lengths"]),
-                               poison(v, opts["kv_lengths"]), scale=0.1, mask=CAUSAL_BR, **opts)
+  o2, lse2 = attention_forward(_poison_past(q, opts["q_lengths"]), _poison_past(k, opts["kv_lengths"]),
+                               _poison_past(v, opts["kv_lengths"]), scale=0.1, mask=CAUSAL_BR, **opts)
   np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
 
