@@ -136,7 +136,8 @@ def dead_query_rows(mask, Tq, Tk):
 
 def test_config_rejects_bad_values():
   for bad in (dict(block_q_dq=32), dict(block_kv_dq=100), dict(compute_wgs_dq=3),
-              dict(num_stages=0), dict(block_kv_dkv=320), dict(split_dkv=1)):
+              dict(num_stages=0), dict(block_kv_dkv=320), dict(split_dkv=1),
+              dict(reverse_q_tiles="yes")):
     with pytest.raises(ValueError, match=next(iter(bad))):
       BackwardConfig(**bad)
 
@@ -308,6 +309,8 @@ def _run_each_kernel_with_race_detection(B, Tq, Tk, N, K, D, mask, config,
 @pytest.mark.interpret
 @pytest.mark.parametrize("B,Tq,Tk,N,K,D,mask,config", [
     (1, 136, 200, 2, 1, 64, CAUSAL_BR, BackwardConfig(block_kv_dq=64, num_stages=2)),
+    (1, 300, 200, 1, 1, 64, CAUSAL_BR,
+     BackwardConfig(block_kv_dq=64, num_stages=2, reverse_q_tiles=True)),
     (1, 128, 136, 1, 1, 64, W(window_left=30, window_right=0),
      BackwardConfig(block_kv_dq=64, compute_wgs_dq=1, compute_wgs_dkv=1,
                     num_stages=1, split_dkv=True)),

@@ -91,7 +91,7 @@ def run_interpret(q, k, v, *, scale, mask, config=None, detect_races=False):
 
 @pytest.mark.parametrize("field,value", [
     ("block_q", 128), ("block_kv", 96), ("block_kv", 512), ("num_stages", 0),
-    ("compute_registers", 300)])
+    ("compute_registers", 300), ("reverse_q_tiles", 1)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
   with pytest.raises(ValueError, match=field):
     ForwardConfig(**{field: value})
@@ -170,6 +170,8 @@ def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
 @pytest.mark.interpret
 @pytest.mark.parametrize("B,Tq,Tk,N,K,D,mask,config", [
     (1, 200, 333, 1, 1, 64, CAUSAL_BR, ForwardConfig(block_kv=64, num_stages=2)),
+    (1, 330, 333, 1, 1, 64, CAUSAL_BR,
+     ForwardConfig(block_kv=64, num_stages=2, reverse_q_tiles=True)),
     (1, 128, 512, 2, 1, 64, NO_MASK, ForwardConfig(block_kv=64, num_stages=3)),
     (1, 190, 300, 1, 1, 64, W(window_left=50, window_right=20),
      ForwardConfig(block_kv=64, num_stages=1)),

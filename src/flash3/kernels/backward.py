@@ -117,6 +117,8 @@ class BackwardConfig:
     fuse_matmuls: in the dk/dv kernel, issue dv += pT do and dpT = v do^T
       before one wgmma wait (GPU path only; interpret mode runs them apart).
       Off by default: not yet measured or run on a GPU.
+    reverse_q_tiles: launch the dq kernel's query tiles last-first (see
+      ``common.grid_index``).
   """
 
   block_q_dq: int = 64
@@ -128,6 +130,7 @@ class BackwardConfig:
   num_stages: int = 2
   split_dkv: bool = False
   fuse_matmuls: bool = False
+  reverse_q_tiles: bool = False
 
   def __post_init__(self):
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -135,7 +138,7 @@ class BackwardConfig:
     _check_int("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
     _check_int("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     _check_int("num_stages", self.num_stages, 1, 1, 8)
-    for name in ("split_dkv", "fuse_matmuls"):
+    for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
@@ -368,7 +371,8 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     h = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
-    cta_q_lo = lax.axis_index("q_tiles") * (wgs * bq)
+    cta_q_lo = common.grid_index("q_tiles", num_q_tiles,
+                                 config.reverse_q_tiles) * (wgs * bq)
     cta_lo, cta_hi = _union([plan_of(cta_q_lo + w * bq) for w in range(wgs)])
     num_steps = cta_hi - cta_lo
     slot_of = lambda t: lax.rem(t - cta_lo, jnp.int32(stages))

@@ -50,6 +50,17 @@ def uses_register_operands(interpret: Any) -> bool:
   return not is_interpret(interpret)
 
 
+def grid_index(name: str, count: int, reverse: bool) -> jax.Array:
+  """The index of grid axis ``name``; ``count - 1 - index`` when ``reverse``.
+
+  CUDA starts CTAs in grid order. Under a causal mask later query tiles see
+  more keys, so visiting them first (``reverse``) leaves the short tiles for
+  the last wave instead of the long ones (FlashAttention-3 does the same).
+  """
+  i = jax.lax.axis_index(name)
+  return (count - 1 - i) if reverse else i
+
+
 def smem_swizzle_transforms(minor_dim: int, itemsize: int) -> tuple[Any, ...]:
   """Tiling + swizzle transforms for a 2D smem tile read by wgmma and TMA.
 

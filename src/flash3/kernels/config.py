@@ -53,6 +53,9 @@ class ForwardConfig:
       uses min(num_stages, number of key tiles) when that is smaller.
     compute_registers: registers per thread granted to the compute
       warpgroups (setmaxnreg); the producer gets ``producer_registers``.
+    reverse_q_tiles: launch the query tiles last-first (the ones that see
+      the most keys under a causal mask start first; see
+      ``common.grid_index``).
   """
 
   block_q: int = 64
@@ -60,6 +63,7 @@ class ForwardConfig:
   num_stages: int = 2
   compute_registers: int = 232
   producer_registers: int = 40
+  reverse_q_tiles: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -68,6 +72,8 @@ class ForwardConfig:
     _check_multiple("num_stages", self.num_stages, 1, 1, 8)
     _check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
     _check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
+    if not isinstance(self.reverse_q_tiles, bool):
+      raise ValueError(f"reverse_q_tiles={self.reverse_q_tiles!r} must be a bool")
     # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
     total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
                    + self.producer_registers)

@@ -316,7 +316,7 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
   body = functools.partial(
       _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
       block_q=block_q, block_kv=block_kv, stages=stages, dtype=dtype,
-      config=config, has_lengths=lengths is not None,
+      config=config, num_q_ctas=num_q_ctas, has_lengths=lengths is not None,
       has_sinks=sinks is not None, has_segments=segments is not None,
       softcap=softcap)
   extra_inputs = ((*lengths,) if lengths is not None else ()) + (
@@ -381,8 +381,10 @@ def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int)
 
 def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  Tq, Tk, heads_per_kv, scale, mask, block_q, block_kv, stages,
-                 dtype, config, has_lengths, has_sinks, has_segments, softcap):
+                 dtype, config, num_q_ctas, has_lengths, has_sinks,
+                 has_segments, softcap):
   wg = lax.axis_index("wg")
+  q_cta = common.grid_index("q_tiles", num_q_ctas, config.reverse_q_tiles)
   head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
   kv_head = lax.div(head, jnp.asarray(heads_per_kv, head.dtype))
@@ -396,14 +398,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   if has_segments:
     q_ids_ref, kv_ids_ref, seg_ref = extra_refs
   shift = mask.shift(Tq, Tk)
-  cta_q_lo = lax.axis_index("q_tiles") * (NUM_COMPUTE_WARPGROUPS * block_q)
+  cta_q_lo = q_cta * (NUM_COMPUTE_WARPGROUPS * block_q)
   cta_q_hi = jnp.minimum(cta_q_lo + NUM_COMPUTE_WARPGROUPS * block_q, Tq)
   # The key tiles this CTA streams; both compute warpgroups step through all of them.
   t_lo, t_hi = _tile_ranges(mask, cta_q_lo, cta_q_hi, shift, Tk, block_kv)
   if has_segments:
     # Only the key tiles the CTA's documents touch (the union over its two
     # warpgroups' query tiles).
-    tile0 = lax.axis_index("q_tiles") * NUM_COMPUTE_WARPGROUPS
+    tile0 = q_cta * NUM_COMPUTE_WARPGROUPS
     t_lo = jnp.maximum(t_lo, jnp.minimum(seg_ref[batch, tile0, 0],
                                          seg_ref[batch, tile0 + 1, 0]))
     t_hi = jnp.minimum(t_hi, jnp.maximum(seg_ref[batch, tile0, 1],
@@ -429,7 +431,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # This warpgroup's own tiles, clamped into the CTA's.
     w_lo, w_hi = _tile_ranges(mask, q_lo, q_hi, shift, Tk, block_kv)
     if has_segments:
-      my_tile = lax.axis_index("q_tiles") * NUM_COMPUTE_WARPGROUPS + wg
+      my_tile = q_cta * NUM_COMPUTE_WARPGROUPS + wg
       w_lo = jnp.maximum(w_lo, seg_ref[batch, my_tile, 0])
       w_hi = jnp.minimum(w_hi, seg_ref[batch, my_tile, 1])
     w_lo = jnp.clip(w_lo, t_lo, t_hi)

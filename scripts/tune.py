@@ -1,0 +1,195 @@
+"""Sweeps kernel configs against cuDNN on an H100/H200 (a tuning tool, not a test).
+
+Each (shape, config) is compiled and run once in one of ``--jobs`` worker
+processes at the same time (Mosaic GPU compiles take seconds of CPU each);
+the timing itself is serialised by a lock, so one process at a time measures
+(CUPTI kernel time, median of ``--iterations`` after warm-up) its config and,
+in the same locked section, cuDNN on the same inputs: every row carries its
+own cuDNN ratio. FLOPs: FlashAttention-3's convention.
+
+  PYTHONPATH=src python3 scripts/tune.py --what fwd --out $OUT/tune --jobs 8
+
+Writes one JSON line per measurement to ``<out>/tune_<what>.jsonl`` as it goes
+and prints a markdown row per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+
+_LOCK = None
+
+
+def _init(lock):
+  global _LOCK
+  _LOCK = lock
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _fwd_candidates(D, causal):
+  from flash3.kernels.config import ForwardConfig, check_fits
+  out = []
+  for bk, st in itertools.product((64, 128, 192, 256), (2, 3, 4)):
+    c = ForwardConfig(block_kv=bk, num_stages=st)
+    try:
+      check_fits(c, D, 2)
+    except ValueError:
+      continue
+    out.append(c)
+    if causal:
+      out.append(dataclasses.replace(c, reverse_q_tiles=True))
+  return out
+
+
+def _bwd_candidates(D, causal):
+  from flash3.kernels.backward import BackwardConfig
+  from flash3.visibility import MaskSpec
+  base = BackwardConfig.heuristic(D, 4096, 4096, MaskSpec(causal=causal))
+  cands = [base, dataclasses.replace(base, fuse_matmuls=True)]
+  if causal:
+    cands.append(dataclasses.replace(base, reverse_q_tiles=True))
+  if D <= 128:
+    for kw in (dict(num_stages=3), dict(block_q_dkv=128 if base.block_q_dkv == 64 else 64),
+               dict(block_kv_dq=64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64)):
+      cands.append(dataclasses.replace(base, **kw))
+  else:
+    for kw in (dict(num_stages=3), dict(split_dkv=False, block_q_dkv=64, num_stages=1)):
+      cands.append(dataclasses.replace(base, **kw))
+  ok = []
+  for c in cands:
+    try:
+      c.check_fits(D, 2)
+    except ValueError:
+      continue
+    if c not in ok:
+      ok.append(c)
+  return ok
+
+
+def _task(task):
+  """Compile and warm one (shape, config); then time it and cuDNN under the lock."""
+  what, dtype_name, D, T, causal, config, iterations = task
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+  from flash3.kernels.backward import attention_backward
+  from flash3.kernels.forward import attention_forward
+  from flash3.visibility import MaskSpec
+  row = dict(what=what, dtype=dtype_name, D=D, T=T, causal=causal, config=repr(config))
+  try:
+    dtype = jnp.dtype(dtype_name)
+    B, N = 16384 // T, 2048 // D
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, T, N, D), dtype) for kk in keys)
+    scale = D ** -0.5
+    mask = MaskSpec(causal=causal, alignment="bottom_right")
+    flops = 4 * B * T * T * N * D / (2 if causal else 1)
+    if what == "fwd":
+      ours = jax.jit(lambda q, k, v: attention_forward(
+          q, k, v, scale=scale, mask=mask, config=config))
+      theirs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
+      args_ours = args_theirs = (q, k, v)
+    else:
+      flops *= 2.5
+      o, lse = jax.jit(lambda q, k, v: attention_forward(
+          q, k, v, scale=scale, mask=mask))(q, k, v)
+      ours = jax.jit(lambda q, k, v, o, lse, do: attention_backward(
+          q, k, v, o, lse, do, scale=scale, mask=mask, config=config))
+      args_ours = (q, k, v, o, lse, do)
+
+      def cudnn_fwd(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            implementation="cudnn")
+
+      def cudnn_bwd(q, k, v, do):
+        _, vjp = jax.vjp(cudnn_fwd, q, k, v)
+        return vjp(do)
+      # cuDNN's backward alone = its forward+backward minus its forward.
+      theirs = (jax.jit(cudnn_bwd), jax.jit(cudnn_fwd))
+      args_theirs = (q, k, v, do)
+    jax.block_until_ready(ours(*args_ours))  # compile + first run, unlocked
+
+    def med(f, args):
+      for _ in range(2):
+        jax.block_until_ready(f(*args))
+      _, ts = profiler.measure(f, iterations=iterations)(*args)
+      return statistics.median(ts)
+
+    with _LOCK:
+      t_ours = med(ours, args_ours)
+      if what == "fwd":
+        t_ref = med(theirs, args_theirs)
+      else:
+        t_ref = med(theirs[0], args_theirs) - med(theirs[1], args_theirs[:3])
+    row.update(ms=t_ours, cudnn_ms=t_ref, tflops=flops / t_ours / 1e9,
+               cudnn_tflops=flops / t_ref / 1e9, ratio=t_ref / t_ours)
+  except Exception as e:  # noqa: BLE001 - a failing config is a result too
+    row.update(error=f"{type(e).__name__}: {e}"[:400],
+               tb=traceback.format_exc()[-800:])
+  return row
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--what", choices=("fwd", "bwd"), default="fwd")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
+  ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
+  ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+  ap.add_argument("--jobs", type=int, default=8)
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--time-budget", type=float, default=300)
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/tune")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  start = time.time()
+  tasks = []
+  for D, T, causal in itertools.product(args.D, args.T, args.causal):
+    cands = (_fwd_candidates if args.what == "fwd" else _bwd_candidates)(D, bool(causal))
+    tasks += [(args.what, args.dtype, D, T, bool(causal), c, args.iterations) for c in cands]
+  print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)
+  path = os.path.join(args.out, f"tune_{args.what}.jsonl")
+  ctx = mp.get_context("spawn")
+  lock = ctx.Lock()
+  print("| D | T | causal | config | ms | TFLOP/s | cudnn TFLOP/s | ratio |")
+  print("|---|---|---|---|---|---|---|---|", flush=True)
+  with ctx.Pool(args.jobs, initializer=_init, initargs=(lock,), maxtasksperchild=8) as pool, \
+      open(path, "a") as f:
+    results = pool.imap_unordered(_task, tasks)
+    for _ in tasks:
+      left = args.time_budget - (time.time() - start)
+      if left <= 0:
+        print("time budget spent; stopping", flush=True)
+        pool.terminate()
+        break
+      try:
+        row = results.next(timeout=left)
+      except mp.TimeoutError:
+        print("time budget spent; stopping", flush=True)
+        pool.terminate()
+        break
+      f.write(json.dumps(row) + "\n")
+      f.flush()
+      if "error" in row:
+        print(f"| {row['D']} | {row['T']} | {row['causal']} | {row['config']} | "
+              f"ERROR {row['error'][:160]} |", flush=True)
+      else:
+        print(f"| {row['D']} | {row['T']} | {int(row['causal'])} | {row['config']} | "
+              f"{row['ms']:.3f} | {row['tflops']:.0f} | {row['cudnn_tflops']:.0f} | "
+              f"{row['ratio']:.3f} |", flush=True)
+  print(f"done in {time.time() - start:.0f} s", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
