@@ -467,11 +467,13 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         load(t)
         return carry
       lax.fori_loop(cta_lo + stages, cta_hi, refill, None)
-      # Observe the last phases too (the interpreter checks it; free on GPU).
-      def drain(t, carry):
-        plgpu.barrier_wait(consumed.at[slot_of(t)])
-        return carry
-      lax.fori_loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi, drain, None)
+      # Observe the last phases too: the interpreter checks it; nothing on the
+      # GPU needs it (``common.DRAIN_BARRIERS`` turns it off there, to time it).
+      if common.drains_barriers(interpret):
+        def drain(t, carry):
+          plgpu.barrier_wait(consumed.at[slot_of(t)])
+          return carry
+        lax.fori_loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi, drain, None)
 
   swizzle = common.smem_swizzle_transforms(head_dim, dtype.itemsize)
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=swizzle)
@@ -693,10 +695,11 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         return carry
       lax.fori_loop(jnp.int32(stages), num_steps, refill, None)
 
-      def drain(i, carry):
-        plgpu.barrier_wait(consumed.at[slot_of(i)])
-        return carry
-      lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+      if common.drains_barriers(interpret):  # As in the dq kernel.
+        def drain(i, carry):
+          plgpu.barrier_wait(consumed.at[slot_of(i)])
+          return carry
+        lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
   swizzle = common.smem_swizzle_transforms(head_dim, dtype.itemsize)
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=swizzle)

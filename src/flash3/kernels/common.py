@@ -61,6 +61,22 @@ def grid_index(name: str, count: int, reverse: bool) -> jax.Array:
   return (count - 1 - i) if reverse else i
 
 
+# Benchmarking knob only, not an API (issue 5). The producer warpgroups end
+# with a "drain": they wait for the consumers' last release of every ring
+# slot, because the interpreter requires every phase of a waited barrier to
+# be waited on. On the GPU nothing waits after those phases, so the drain only
+# keeps the producer alive a little longer. Setting this to False omits the
+# drains on the GPU path so scripts/bench_drain.py can time their cost; it is
+# read when a kernel is traced (clear jax's caches after changing it) and has
+# no effect in interpret mode, which always drains.
+DRAIN_BARRIERS = True
+
+
+def drains_barriers(interpret: Any) -> bool:
+  """Whether the producer waits out its ring's last phases (always when interpreted)."""
+  return is_interpret(interpret) or bool(DRAIN_BARRIERS)
+
+
 def smem_swizzle_transforms(minor_dim: int, itemsize: int) -> tuple[Any, ...]:
   """Tiling + swizzle transforms for a 2D smem tile read by wgmma and TMA.
 

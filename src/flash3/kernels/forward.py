@@ -190,7 +190,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   o, lse = _forward(q, k, v, extras["lengths"], extras["sinks"],
                     extras["segments"], scale=scale,
                     mask=mask, config=config, interpret=interpret_params,
-                    q_len=Tq, kv_len=Tk, softcap=extras["softcap"])
+                    q_len=Tq, kv_len=Tk, softcap=extras["softcap"],
+                    drain=common.drains_barriers(interpret_params))
   if d_pad != D or tq_pad != Tq:
     o = o[:, :Tq, :, :D]
   return o, lse[:, :, :Tq]
@@ -289,16 +290,18 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap"))
+    "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap",
+    "drain"))
 def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
              config: ForwardConfig, interpret: Any, q_len: int, kv_len: int,
-             softcap: float | None):
+             softcap: float | None, drain: bool = True):
   """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer).
 
   ``lengths`` (None or (q_len, kv_len) (B,) int32) and ``sinks`` (None or
   (N,) float32) are extra kernel inputs, read as scalars from global memory.
   ``segments`` (None or (q_ids, kv_ids)) adds the ids (padded to whole tiles)
   and the per-query-tile key tile ranges of ``_segment_tile_ranges``.
+  ``drain``: ``common.drains_barriers`` (a static argument, so jit keys on it).
   """
   B, Tq_buf, N, D = q.shape
   _, Tk_buf, K, _ = k.shape
@@ -318,7 +321,7 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       block_q=block_q, block_kv=block_kv, stages=stages, dtype=dtype,
       config=config, num_q_ctas=num_q_ctas, has_lengths=lengths is not None,
       has_sinks=sinks is not None, has_segments=segments is not None,
-      softcap=softcap)
+      softcap=softcap, drain=drain)
   extra_inputs = ((*lengths,) if lengths is not None else ()) + (
       (sinks,) if sinks is not None else ())
   if segments is not None:
@@ -382,7 +385,7 @@ def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int)
 def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  Tq, Tk, heads_per_kv, scale, mask, block_q, block_kv, stages,
                  dtype, config, num_q_ctas, has_lengths, has_sinks,
-                 has_segments, softcap):
+                 has_segments, softcap, drain=True):
   wg = lax.axis_index("wg")
   q_cta = common.grid_index("q_tiles", num_q_ctas, config.reverse_q_tiles)
   head = lax.axis_index("heads")
@@ -614,9 +617,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                               smem["v_loaded"].at[slot])
 
     # Observe the last release of every slot: the interpreter requires every
-    # phase of a waited barrier to be waited on; on the GPU this costs nothing.
-    @pl.loop(jnp.maximum(t_hi - stages, t_lo), t_hi)
-    def _drain(t):
-      slot = slot_of(t)
-      plgpu.barrier_wait(smem["k_free"].at[slot])
-      plgpu.barrier_wait(smem["v_free"].at[slot])
+    # phase of a waited barrier to be waited on. Nothing on the GPU needs it
+    # (``common.DRAIN_BARRIERS`` turns it off there, to time it).
+    if drain:
+      @pl.loop(jnp.maximum(t_hi - stages, t_lo), t_hi)
+      def _drain(t):
+        slot = slot_of(t)
+        plgpu.barrier_wait(smem["k_free"].at[slot])
+        plgpu.barrier_wait(smem["v_free"].at[slot])
