@@ -9,7 +9,19 @@ test:
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests
 
 # On an H100/H200 with jax and its CUDA plugin already installed (the image's python3):
-# every GPU test (slow: Mosaic GPU compiles each shape).
+# every GPU test. Each test compiles Mosaic GPU kernels (seconds of CPU), so they run
+# in GPU_TEST_WORKERS processes at once (pytest-xdist) sharing the GPU: memory on
+# demand, each process capped at GPU_TEST_MEM_FRACTION of it. Then the tests marked
+# `serial` (the T=131072 peak-memory test, a CUPTI timing) run alone in one process;
+# FLASH3_RESULTS_DIR=dir keeps the memory record. Every stage runs; any failure fails.
+GPU_TEST_WORKERS ?= 12
+GPU_TEST_MEM_FRACTION ?= 0.3
+GPU_PYTEST = PYTHONPATH=src XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider
+GPU_SHARED = XLA_PYTHON_CLIENT_MEM_FRACTION=$(GPU_TEST_MEM_FRACTION) $(GPU_PYTEST)
+
 gpu-test:
-	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider -m gpu tests
-	PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests/test_mosaic_path.py
+	@rc=0; \
+	$(GPU_SHARED) -n $(GPU_TEST_WORKERS) -m "gpu and not serial" tests || rc=1; \
+	$(GPU_SHARED) -n 4 tests/test_mosaic_path.py || rc=1; \
+	$(GPU_PYTEST) -s -m "gpu and serial" tests || rc=1; \
+	exit $$rc

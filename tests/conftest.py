@@ -19,6 +19,14 @@ requires_hopper = pytest.mark.skipif(
     not ON_HOPPER, reason="needs a Hopper GPU (sm_90); this machine has none")
 
 
+def pytest_configure(config):
+  # `make gpu-test` runs the GPU tests in several processes at once
+  # (pytest-xdist); these run afterwards, one at a time in one process.
+  config.addinivalue_line(
+      "markers", "serial: measures the process or the GPU (peak memory, CUPTI "
+      "timings), so it must not share them: not run under pytest-xdist")
+
+
 def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not ON_HOPPER:
