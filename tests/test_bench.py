@@ -5,6 +5,7 @@ runner is driven with stand-in contenders and a stand-in clock.
 """
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -146,6 +147,57 @@ def test_case_segment_ids_and_validation():
     Case("m", 1, 8, 8, 2, 2, 64, dtype="float32")
 
 
+def _ids(cases):
+  return [(c.suite, c.label()) for c in cases]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 7])
+def test_shards_partition_a_suite_in_its_order(count):
+  cases = cases_lib.suite_cases("all", ["float16", "bfloat16"])
+  shards = [cases_lib.shard(cases, i, count) for i in range(count)]
+  together = [c for s in shards for c in s]
+  assert sorted(_ids(together)) == sorted(_ids(cases))  # Each case once.
+  assert max(map(len, shards)) - min(map(len, shards)) <= 1
+  position = {c: i for i, c in enumerate(_ids(cases))}
+  for s in shards:  # The suite's order within a shard.
+    assert [position[c] for c in _ids(s)] == sorted(position[c]
+                                                    for c in _ids(s))
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_fa3_shards_get_the_same_mix_of_lengths_dims_and_dtypes(count):
+  cases = cases_lib.suite_cases("fa3", ["float16", "bfloat16"])
+  assert len(cases) == 72
+  costs = []
+  for i in range(count):
+    s = cases_lib.shard(cases, i, count)
+    assert len(s) == 72 // count
+    for t in (512, 1024, 2048, 4096, 8192, 16384):
+      assert sum(c.q_len == t for c in s) == 12 // count
+    for d in (64, 128, 256):
+      assert sum(c.head_dim == d for c in s) == 24 // count
+    assert sum(c.dtype == "float16" for c in s) == 36 // count
+    assert sum(c.causal for c in s) == 36 // count
+    costs.append(sum(map(cases_lib.estimated_cost, s)))
+  assert max(costs) / min(costs) < 1.02
+
+
+def test_shard_rejects_bad_indices():
+  cases = cases_lib.suite_cases("gqa")
+  for index, count in ((2, 2), (-1, 2), (0, 0)):
+    with pytest.raises(ValueError, match="0 <= index < count"):
+      cases_lib.shard(cases, index, count)
+
+
+def test_float16_and_long_cases_cost_more():
+  small = Case("t", 32, 512, 512, 16, 16, 128, "bfloat16")
+  assert cases_lib.estimated_cost(small) == pytest.approx(1.0, abs=0.01)
+  assert cases_lib.estimated_cost(
+      dataclasses.replace(small, dtype="float16")) > 1.3
+  long = Case("t", 1, 131072, 131072, 16, 16, 128, "bfloat16")
+  assert cases_lib.estimated_cost(long) > 5
+
+
 # ----- command line -----------------------------------------------------------
 
 def test_parse_shape():
@@ -187,7 +239,10 @@ def test_seqlens_and_head_dims_filter_a_suite():
 @pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--modes", "bwd"],
                                   ["--window", "3"], ["--iterations", "0"],
                                   ["--suite", "nope"],
-                                  ["--list", "--shape", "B=2,T=64,N=4,D=64", "--docs", "0"]])
+                                  ["--list", "--shape", "B=2,T=64,N=4,D=64", "--docs", "0"],
+                                  ["--list", "--shard", "2/2"],
+                                  ["--list", "--shard", "1"],
+                                  ["--list", "--shard", "0/0"]])
 def test_bad_arguments_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
@@ -197,7 +252,9 @@ def test_bad_arguments_exit_2(argv, capsys):
 
 @pytest.mark.parametrize("argv", [["--list", "--impls", "bogus"],
                                   ["--replot", "/nonexistent.json"],
-                                  ["--replot", "README.md"]])
+                                  ["--replot", "README.md"],
+                                  ["--merge", "docs/benchmarks/h200", "/nonexistent"],
+                                  ["--list", "--skip-done", "/nonexistent"]])
 def test_bad_inputs_return_2_with_one_line(argv, capsys):
   assert cli.main(argv) == 2
   err = capsys.readouterr().err
@@ -208,6 +265,24 @@ def test_list_runs_without_gpu(capsys):
   assert cli.main(["--list", "--suite", "gqa"]) == 0
   out = capsys.readouterr().out
   assert "N=32 K=8 D=128" in out and out.strip().endswith("10 cases x 2 modes")
+
+
+def test_list_one_shard(capsys):
+  assert cli.main(["--list", "--suite", "fa3", "--dtypes", "float16,bfloat16",
+                   "--shard", "1/4"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[-1] == "18 cases x 2 modes (shard 1/4)"
+  listed = [l.split(None, 1)[1] for l in lines[:-1]]
+  expected = cases_lib.shard(cases_lib.suite_cases(
+      "fa3", ["float16", "bfloat16"]), 1, 4)
+  assert listed == [c.label() for c in expected]
+
+
+def test_an_empty_shard_runs_nothing_and_says_so(capsys, tmp_path):
+  assert cli.main(["--suite", "quick", "--shard", "6/8", "--out",
+                   str(tmp_path / "out")]) == 0
+  assert "shard 6/8 has no case" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
 
 
 def test_mask_flags_need_shape(capsys):
@@ -387,6 +462,91 @@ def test_replot_from_json(tmp_path, capsys):
   assert "flash3" in capsys.readouterr().out
 
 
+def _split_by_length(rows):
+  """Two "shards" of results: T = 1024 finished, T = 4096 cut off (its
+  checkpoint: measured rows only, no bwd rows, no ratios)."""
+  done = [r for r in rows if r.q_len == 1024]
+  cut = [dataclasses.replace(r, ratio_to_baseline=None) for r in rows
+         if r.q_len == 4096 and r.mode != "bwd"]
+  return done, cut
+
+
+def _dicts(rows):
+  return sorted((r.to_dict() for r in rows),
+                key=lambda d: json.dumps(d, sort_keys=True))
+
+
+def test_merge_shards_equals_one_run(tmp_path, capsys):
+  whole = synthetic_results()
+  done, cut = _split_by_length(whole)
+  report.write_json(tmp_path / "s0.json", done, ENV)
+  (tmp_path / "s1").mkdir()
+  env1 = dict(ENV, date="2026-12-01T00:05:00", command="flash3-bench --shard 1/2")
+  report.write_json(tmp_path / "s1" / "results.json", cut, env1)
+  out = tmp_path / "merged"
+  assert cli.main(["--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1"),
+                   "--out", str(out), "--no-plots"]) == 0
+  env, rows = report.read_json(out / "results.json")
+  assert _dicts(rows) == _dicts(whole)  # bwd rows and ratios derived again.
+  assert env["gpu"] == "NVIDIA H200" and env["cudnn"] == "9.10.0"
+  assert env["date"] == "2026-12-01T00:00:00 ; 2026-12-01T00:05:00"
+  assert env["command"] == "flash3-bench --quick ; flash3-bench --shard 1/2"
+  table = (out / "table.txt").read_text()
+  assert len(table.splitlines()) == 2 + len(whole)
+  assert "flash3" in capsys.readouterr().out
+
+
+def test_replot_of_one_finished_run_changes_nothing(tmp_path):
+  report.write_json(tmp_path / "r.json", synthetic_results(), ENV)
+  assert cli.main(["--replot", str(tmp_path / "r.json"), "--out",
+                   str(tmp_path / "again"), "--no-plots"]) == 0
+  env, rows = report.read_json(tmp_path / "again" / "results.json")
+  assert env == ENV and _dicts(rows) == _dicts(synthetic_results())
+
+
+def test_merge_later_rows_replace_earlier_except_unavailable():
+  first = [_row("flash3", "fwd", 1024, 2.0), _row("cudnn", "fwd", 1024, 1.0),
+           _row("jax-mgpu", "fwd", 1024, 1.5)]
+  rerun = [_row("flash3", "fwd", 1024, 0.5),
+           _row("cudnn", "fwd", 1024, None, status="unavailable"),
+           _row("tokamax", "fwd", 1024, None, status="unavailable")]
+  merged = {r.impl: r for r in results_lib.merge([first, rerun], "cudnn")}
+  assert merged["flash3"].median_ms == 0.5  # The re-run's row.
+  assert merged["cudnn"].status == "ok"  # Not replaced by "unavailable".
+  assert merged["tokamax"].status == "unavailable"  # New rows are kept.
+  assert merged["flash3"].ratio_to_baseline == pytest.approx(2.0)
+  assert merged["jax-mgpu"].ratio_to_baseline == pytest.approx(1 / 1.5)
+
+
+def test_merge_environments():
+  a = dict(gpu="H200", date="d1", jax="0.11.2")
+  b = dict(gpu="H200", date="d2", jax="0.11.2", tokamax="0.0.17")
+  assert report.merge_environments([a, b]) == dict(
+      gpu="H200", date="d1 ; d2", jax="0.11.2", tokamax="0.0.17")
+  assert report.merge_environments([a]) == a
+
+
+def test_skip_done_leaves_the_cases_a_cut_off_run_did_not_finish(tmp_path,
+                                                                 capsys):
+  args = cli.parse(["--suite", "gqa", "--impls", "cudnn,flash3"])
+  cases = cli.select_cases(args)
+  finished = []
+  for case in cases[:3]:  # cudnn and flash3, both modes: done.
+    finished += [Result.for_case(case, impl, mode, "ok")
+                 for impl in ("cudnn", "flash3") for mode in cli.MODES]
+  finished += [Result.for_case(cases[3], "cudnn", "fwd", "wrong")]  # Partly.
+  left = cli.skip_done(cases, [finished], ["cudnn", "flash3"], cli.MODES)
+  assert _ids(left) == _ids(cases[3:])
+  assert _ids(cli.skip_done(cases, [finished], ["cudnn"], ("fwd",))) == _ids(
+      cases[4:])
+  report.write_json(tmp_path / "results.json", finished, ENV)
+  assert cli.main(["--list", "--suite", "gqa", "--impls", "cudnn,flash3",
+                   "--skip-done", str(tmp_path)]) == 0
+  captured = capsys.readouterr()
+  assert captured.out.strip().endswith(f"{len(cases) - 3} cases x 2 modes")
+  assert "3 of 10 cases already done" in captured.err
+
+
 # ----- timing -----------------------------------------------------------------
 
 def test_timing_from_measurement():
@@ -447,6 +607,20 @@ def test_check_accepts_input_dtype_math_and_rejects_errors():
   ok, _, detail = reference.check(case, exp, (good.at[0, 0, 0, 0].set(
       jnp.nan),))
   assert not ok and "NaN" in detail
+
+
+def test_one_reference_program_serves_both_modes():
+  case = Case("t", 2, 40, 40, 4, 2, 32, "bfloat16", causal=True)
+  q, k, v, do, seg = _inputs(case)
+  both = reference.expected_modes(case, ("fwd", "fwd+bwd"), q, k, v, do, seg)
+  alone = reference.expected(case, "fwd", q, k, v, do, seg)  # No gradients.
+  assert both["fwd"].names == ("o",)
+  assert both["fwd+bwd"].names == ("dq", "dk", "dv")
+  for got, want in zip(both["fwd"].values["o"], alone.values["o"]):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert both["fwd"].tol["o"] == pytest.approx(alone.tol["o"], rel=1e-5)
+  with pytest.raises(ValueError, match="mode"):
+    reference.expected_modes(case, ("bwd",), q, k, v, do, seg)
 
 
 def test_check_gradients_and_prescaled_q():
@@ -535,6 +709,33 @@ def test_runner_checkpoints_each_case_and_honours_time_budget(monkeypatch, capsy
   assert "2 cases not run" in capsys.readouterr().err
 
 
+def test_time_budget_is_a_deadline_judged_by_the_longest_case(monkeypatch,
+                                                               capsys):
+  clock = {"now": 0.0}
+
+  class FakeTime:
+    @staticmethod
+    def monotonic():
+      return clock["now"]
+
+  def fake_measure(fn, args, iterations, warmup):
+    clock["now"] += 10.0  # Each case "takes" 10 s.
+    return timing.Timing((1.0,) * iterations)
+
+  monkeypatch.setattr(runner, "time", FakeTime)
+  monkeypatch.setattr(timing, "measure", fake_measure)
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)  # noqa: E731
+  cases = [Case("t", 1, t, t, 2, 2, 32, "bfloat16") for t in (16, 32, 48)]
+  lines = []
+  rows = runner.run(cases, [_stand_in("cudnn", xla)],
+                    runner.Options(iterations=2, modes=("fwd",)),
+                    time_budget_s=25, start=0.0, log=lines.append)
+  # Case 2 starts at 10 s (10 + 10 <= 25); case 3 would end near 30 s.
+  assert [r.q_len for r in rows] == [16, 32]
+  assert "1 cases not run" in capsys.readouterr().err
+  assert len(lines) == 2 and "case 1/3" in lines[0] and "10.0 s" in lines[0]
+
+
 def test_select_implementations():
   assert [i.name for i in impls.select(None)] == [
       "flash3", "cudnn", "xla", "jax-mgpu", "tokamax"]
@@ -565,3 +766,22 @@ def test_contenders_refuse_what_they_cannot_do():
   (variant,) = impls.IMPLEMENTATIONS["cudnn"].variants(docs, True)
   assert variant.label == "dense mask" and variant.aux[0].shape == (1, 1, 64,
                                                                      64)
+
+
+def test_tokamax_gets_jax_nn_arguments(monkeypatch):
+  """The tokamax contender's call (BTNH, is_causal, window, dense mask), run
+  through tokamax's XLA path on this CPU; only "mosaic" differs on the GPU.
+  Runs where tokamax imports (scripts/with_tokamax.sh), else skipped."""
+  pytest.importorskip("tokamax")
+  monkeypatch.setattr(impls, "TOKAMAX_IMPLEMENTATION", "xla")
+  for case in (Case("t", 2, 128, 128, 4, 2, 64, "bfloat16", causal=True),
+               Case("t", 1, 128, 128, 2, 2, 64, "bfloat16", causal=True,
+                    window=(16, 0)),
+               Case("t", 2, 96, 96, 2, 2, 64, "bfloat16", num_docs=3)):
+    (variant,) = impls.IMPLEMENTATIONS["tokamax"].variants(case, True)
+    q, k, v, do, seg = reference.random_inputs(case)
+    expectations = reference.expected_modes(case, cli.MODES, q, k, v, do, seg)
+    for mode in cli.MODES:
+      out = runner.timed_function(variant, mode)(q, k, v, do, *variant.aux)
+      ok, _, detail = reference.check(case, expectations[mode], out)
+      assert ok, (case.label(), mode, detail)

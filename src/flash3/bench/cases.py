@@ -26,6 +26,7 @@ from typing import Iterable
 
 import numpy as np
 
+from flash3.bench import flops as flops_lib
 from flash3.visibility import MaskSpec
 
 DTYPES = ("float16", "bfloat16")
@@ -202,3 +203,46 @@ def suite_cases(name: str, dtypes: Iterable[str] | None = None) -> list[Case]:
   if dtypes is None:
     return SUITES[name]()
   return SUITES[name](dtypes=tuple(dtypes))
+
+
+def estimated_cost(case: Case) -> float:
+  """A relative guess of one case's wall time, to balance shards.
+
+  Compiles dominate: about the same count for every case, more in float16
+  (jax's FA3 runs only there, with a few block sizes). Execution adds with the
+  FLOPs (the XLA contender and the long suite); 2e13 forward FLOPs is about as
+  much again as the compiles.
+  """
+  compiles = 1.4 if case.dtype == "float16" else 1.0
+  return compiles * (1.0 + flops_lib.forward_flops(case) / 2e13)
+
+
+def shard(cases: list[Case], index: int, count: int) -> list[Case]:
+  """Shard ``index`` (0-based) of ``count``: a similar share for each.
+
+  The cases are grouped by suite, dtype, head_dim and heads, ranked by
+  ``estimated_cost`` within a group, and dealt out in a snake (0, 1, ...,
+  count-1, count-1, ..., 0, 0, 1, ...), so each shard gets about as many long
+  and short cases of every dtype and head_dim as the others, and about the
+  same total cost; a shard keeps the suite's order. The shards of one list
+  partition it.
+
+  Raises:
+    ValueError: unless 0 <= index < count.
+  """
+  if count < 1 or not 0 <= index < count:
+    raise ValueError(f"shard index={index}, count={count}: need "
+                     f"0 <= index < count")
+
+  def group_then_cost(i):
+    c = cases[i]
+    return (c.suite, c.dtype, c.head_dim, c.num_heads, c.num_kv_heads,
+            -estimated_cost(c))
+
+  ranked = sorted(range(len(cases)), key=group_then_cost)
+  mine = set()
+  for position, i in enumerate(ranked):
+    lap, pos = divmod(position, count)
+    if (pos if lap % 2 == 0 else count - 1 - pos) == index:
+      mine.add(i)
+  return [c for i, c in enumerate(cases) if i in mine]

@@ -59,6 +59,17 @@ def _window(text: str) -> tuple[int, int]:
   return left, right
 
 
+def _shard(text: str) -> tuple[int, int]:
+  try:
+    index, count = (int(x) for x in text.split("/"))
+  except ValueError:
+    index, count = -1, 0
+  if count < 1 or not 0 <= index < count:
+    raise argparse.ArgumentTypeError(
+        f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. 0/2")
+  return index, count
+
+
 SHAPE_KEYS = ("B", "T", "Tq", "Tk", "N", "K", "D")
 
 
@@ -120,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "e.g. 4096,16384")
   p.add_argument("--head-dims", type=_ints, default=None,
                  help="keep only the suite's cases with these head dims, e.g. 128")
+  p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                 help="run only shard I (0-based) of N: a similar mix of the "
+                      "selected cases for each, to run side by side on N GPUs "
+                      "(CUDA_VISIBLE_DEVICES) or in N calls; combine the "
+                      "outputs with --merge")
+  p.add_argument("--skip-done", nargs="+", default=None, metavar="RESULTS",
+                 help="skip the cases that already have a row for every "
+                      "contender and mode in these results.json files or "
+                      "--out directories (of a run that was cut off); "
+                      "combine the outputs with --merge")
   p.add_argument("--impls", type=_csv(), default=None,
                  help="comma-separated contenders (default all): flash3, "
                       "cudnn, xla, jax-mgpu, tokamax")
@@ -135,14 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
                       "summary.md and plots/ (default ./bench-results)")
   p.add_argument("--no-plots", action="store_true")
   p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                 help="start no new case after this many seconds; results so "
-                      "far are written after every case either way")
+                 help="start no case that would not end within this many "
+                      "seconds of the start, judging by the longest case so "
+                      "far (then writing the files takes a few seconds more); "
+                      "results so far are written after every case either way")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--list", action="store_true",
                  help="print the cases and exit (no GPU needed)")
-  p.add_argument("--replot", metavar="RESULTS_JSON", default=None,
-                 help="re-make table and plots from a results.json into "
-                      "--out (no GPU needed)")
+  p.add_argument("--replot", "--merge", dest="replot", nargs="+",
+                 metavar="RESULTS", default=None,
+                 help="re-make the files, table and plots into --out from "
+                      "one or more results.json files or --out directories "
+                      "(the shards of a run, a re-run of some cases: a later "
+                      "one's rows replace an earlier one's), no GPU needed")
   return p
 
 
@@ -164,6 +190,8 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
     cases = [c for c in cases if c.head_dim in args.head_dims]
   if not cases:
     raise ValueError("--seqlens/--head-dims leave no case of the suite")
+  if args.shard is not None:
+    cases = cases_lib.shard(cases, *args.shard)
   return cases
 
 
@@ -217,7 +245,37 @@ def _emit(results, env, out_dir, plots: bool) -> None:
   print(f"\nwrote {', '.join(written)} in {out_dir}")
 
 
+def read_results(paths: list[str], option: str) -> tuple[list[dict], list]:
+  """The environments and row lists of results.json files or directories.
+
+  Raises:
+    ValueError: naming ``option`` and the path that cannot be read.
+  """
+  from flash3.bench import report
+  envs, row_lists = [], []
+  for path in paths:
+    try:
+      env, rows = report.read_json(report.results_path(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"cannot read {option} {path}: {e}") from None
+    envs.append(env)
+    row_lists.append(rows)
+  return envs, row_lists
+
+
+def skip_done(cases: list[Case], row_lists: list, impl_names: list[str],
+              modes: tuple[str, ...]) -> list[Case]:
+  """The cases lacking a row (any status) for some contender and mode."""
+  from flash3.bench.results import case_key_of
+  have = {(r.case_key(), r.impl, r.mode) for rows in row_lists for r in rows}
+  return [c for c in cases
+          if any((case_key_of(c), impl, mode) not in have
+                 for impl in impl_names for mode in modes)]
+
+
 def main(argv: list[str] | None = None) -> int:
+  import time
+  start = time.monotonic()
   args = parse(argv)
   try:
     selected = select_cases(args)
@@ -231,19 +289,40 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
       print(f"flash3-bench: {e}", file=sys.stderr)
       return 2
+  if args.replot:
+    from flash3.bench import implementations, report, results as results_lib
+    try:
+      envs, row_lists = read_results(args.replot, "--replot/--merge")
+    except ValueError as e:
+      print(f"flash3-bench: {e}", file=sys.stderr)
+      return 2
+    results = results_lib.merge(row_lists, implementations.BASELINE)
+    _emit(results, report.merge_environments(envs), args.out,
+          not args.no_plots)
+    return 0
+  if args.skip_done:
+    from flash3.bench import implementations
+    try:
+      _, row_lists = read_results(args.skip_done, "--skip-done")
+    except ValueError as e:
+      print(f"flash3-bench: {e}", file=sys.stderr)
+      return 2
+    names = list(args.impls or implementations.IMPLEMENTATIONS)
+    before = len(selected)
+    selected = skip_done(selected, row_lists, names, tuple(args.modes))
+    print(f"flash3-bench: --skip-done: {before - len(selected)} of {before} "
+          f"cases already done", file=sys.stderr)
   if args.list:
     for case in selected:
       print(f"{case.suite:6s} {case.label()}")
-    print(f"{len(selected)} cases x {len(args.modes)} modes")
+    shard = ("" if args.shard is None
+             else f" (shard {args.shard[0]}/{args.shard[1]})")
+    print(f"{len(selected)} cases x {len(args.modes)} modes{shard}")
     return 0
-  if args.replot:
-    from flash3.bench import report
-    try:
-      env, results = report.read_json(args.replot)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      print(f"flash3-bench: cannot read --replot {args.replot}: {e}", file=sys.stderr)
-      return 2
-    _emit(results, env, args.out, not args.no_plots)
+  if not selected:
+    why = ("--skip-done found every case done" if args.skip_done
+           else f"shard {args.shard[0]}/{args.shard[1]} has no case")
+    print(f"flash3-bench: nothing to run: {why}", file=sys.stderr)
     return 0
   from flash3.bench import implementations
   try:
@@ -263,9 +342,15 @@ def main(argv: list[str] | None = None) -> int:
                            tune=not args.no_tune, modes=tuple(args.modes))
   os.makedirs(args.out, exist_ok=True)
   partial = os.path.join(args.out, "results.json")
-  results = runner.run(selected, impls, options,
-                       progress=_progress(args.no_progress),
-                       checkpoint=lambda rows: report.write_json(partial, rows, env),
-                       time_budget_s=args.time_budget)
+  progress = _progress(args.no_progress)
+
+  def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+  results = runner.run(
+      selected, impls, options, progress=progress,
+      checkpoint=lambda rows: report.write_json(partial, rows, env),
+      time_budget_s=args.time_budget, start=start,
+      log=log if progress is None else None)
   _emit(results, env, args.out, not args.no_plots)
   return 0

@@ -175,11 +175,19 @@ def _tokamax_unavailable():
   return None
 
 
+# tokamax 0.0.17's dot_product_attention takes jax.nn's arguments (BTNH, mask=,
+# is_causal=, local_window_size=(left, right)); "mosaic" picks its Mosaic GPU
+# kernel on an NVIDIA device and raises NotImplementedError rather than fall
+# back. The tests set "xla" to check these arguments on a CPU.
+TOKAMAX_IMPLEMENTATION = "mosaic"
+
+
 def _tokamax_variants(case, tune):
   del tune
   import tokamax
   f = functools.partial(tokamax.dot_product_attention, is_causal=case.causal,
-                        local_window_size=case.window, implementation="mosaic")
+                        local_window_size=case.window,
+                        implementation=TOKAMAX_IMPLEMENTATION)
   if case.num_docs is None:
     return [Variant("", f)]
   return [Variant("dense mask", lambda q, k, v, mask: f(q, k, v, mask=mask),

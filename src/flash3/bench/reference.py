@@ -153,39 +153,65 @@ def _atol(dtype, ref_max: float) -> float:
   return 2.0 * float(jnp.finfo(dtype).eps) * max(ref_max, 1e-6)
 
 
-def expected(case, mode: str, q, k, v, do, segment_ids) -> Expected:
-  """Reference values and tolerances for ``case`` in ``mode`` on its slices."""
+def expected_modes(case, modes, q, k, v, do, segment_ids) -> dict:
+  """Reference values and tolerances for each of ``modes`` on the slices.
+
+  Returns {mode: Expected}. One compiled program per case serves every mode
+  and both computations (float32 and the input dtype): the forward output is
+  the primal of the backward's vjp, so compiles per case drop from four to
+  one (compiles, not FLOPs, are most of a benchmark case's time).
+  """
+  for mode in modes:
+    if mode not in ("fwd", "fwd+bwd"):
+      raise ValueError(f"mode={mode!r}: expected 'fwd' or 'fwd+bwd'")
   group = case.num_heads // case.num_kv_heads
   dtype = jnp.dtype(case.dtype)
-  names = ("o",) if mode == "fwd" else ("dq", "dk", "dv")
-  values = {name: [] for name in names}
-  errs = {name: 0.0 for name in names}
-  maxes = {name: 0.0 for name in names}
+  with_grads = "fwd+bwd" in modes
+  names = {"fwd": ("o",), "fwd+bwd": ("dq", "dk", "dv")}
+  values = {name: [] for mode in modes for name in names[mode]}
+  errs = dict.fromkeys(values, 0.0)
+  maxes = dict.fromkeys(values, 0.0)
   for sl in slices(case):
     args = (sl.of_q(q, group), sl.of_kv(k), sl.of_kv(v))
     seg = None if segment_ids is None else segment_ids[sl.b:sl.b + 1]
-    outs = {}
-    for compute in (jnp.float32, dtype):
-      outs[compute] = _reference(mode, args, sl.of_q(do, group), seg, seg,
-                                 spec=case.mask_spec, scale=case.scale,
-                                 dtype=compute)
-    for name, ref, low in zip(names, outs[jnp.float32], outs[dtype]):
-      values[name].append(ref)
-      errs[name] = max(errs[name], _max_abs(low, ref))
-      maxes[name] = max(maxes[name], float(jnp.max(jnp.abs(ref))))
+    ref, low = _references(args, sl.of_q(do, group), seg, seg,
+                           with_grads=with_grads, spec=case.mask_spec,
+                           scale=case.scale, dtype=dtype)
+    for name in values:
+      values[name].append(ref[name])
+      errs[name] = max(errs[name], _max_abs(low[name], ref[name]))
+      maxes[name] = max(maxes[name], float(jnp.max(jnp.abs(ref[name]))))
   tol = {name: FACTOR * errs[name] + _atol(dtype, maxes[name])
-         for name in names}
-  return Expected(names, values, tol)
+         for name in values}
+  return {mode: Expected(names[mode], {n: values[n] for n in names[mode]},
+                         {n: tol[n] for n in names[mode]})
+          for mode in modes}
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "spec", "scale", "dtype"))
-def _reference(mode, args, do, q_seg, kv_seg, *, spec, scale, dtype):
-  f = functools.partial(attention, q_seg=q_seg, kv_seg=kv_seg, spec=spec,
-                        scale=scale, dtype=dtype)
-  if mode == "fwd":
-    return (f(*args),)
-  _, vjp = jax.vjp(lambda q, k, v: f(q, k, v).astype(do.dtype), *args)
-  return tuple(x.astype(jnp.float32) for x in vjp(do))
+def expected(case, mode: str, q, k, v, do, segment_ids) -> Expected:
+  """Reference values and tolerances for ``case`` in ``mode`` on its slices."""
+  return expected_modes(case, (mode,), q, k, v, do, segment_ids)[mode]
+
+
+@functools.partial(jax.jit, static_argnames=("with_grads", "spec", "scale",
+                                             "dtype"))
+def _references(args, do, q_seg, kv_seg, *, with_grads, spec, scale, dtype):
+  """({name: float32 array} computed in float32, the same in ``dtype``).
+
+  Names: "o", and "dq", "dk", "dv" (for the cotangent ``do``) with grads.
+  """
+  out = []
+  for compute in (jnp.float32, dtype):
+    f = functools.partial(attention, q_seg=q_seg, kv_seg=kv_seg, spec=spec,
+                          scale=scale, dtype=compute)
+    if not with_grads:
+      out.append({"o": f(*args)})
+      continue
+    o, vjp = jax.vjp(f, *args)
+    dq, dk, dv = vjp(do.astype(o.dtype))
+    out.append({"o": o, "dq": dq.astype(jnp.float32),
+                "dk": dk.astype(jnp.float32), "dv": dv.astype(jnp.float32)})
+  return tuple(out)
 
 
 def check(case, exp: Expected, outputs: tuple, q_grad_scale: float = 1.0

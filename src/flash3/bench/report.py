@@ -1,13 +1,15 @@
 """The terminal table, the CSV and JSON files, and where the numbers came from.
 
 Every file carries the environment: GPU name, driver, CUDA runtime, jax and
-jaxlib, cuDNN, flash3 and its git commit, the date (UTC) and the command.
+jaxlib, cuDNN, tokamax, flash3 and its git commit, the date (UTC) and the
+command.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -17,7 +19,7 @@ from typing import Iterable
 from flash3.bench.results import FIELDS, Result
 
 ENV_FIELDS = ("gpu", "driver", "cuda_runtime", "jax", "jaxlib", "cudnn",
-              "flash3", "git_commit", "date")
+              "tokamax", "flash3", "git_commit", "date")
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -62,6 +64,10 @@ def environment(argv: list[str] | None = None) -> dict:
     pass
   env["jax"] = jax.__version__
   env["jaxlib"] = jaxlib.__version__
+  try:
+    env["tokamax"] = importlib.metadata.version("tokamax")
+  except importlib.metadata.PackageNotFoundError:
+    env["tokamax"] = "not installed"
   env["flash3"] = flash3.__version__
   here = os.path.dirname(os.path.abspath(__file__))
   commit = _run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"])
@@ -143,6 +149,25 @@ def read_json(path: str) -> tuple[dict, list[Result]]:
   with open(path) as f:
     data = json.load(f)
   return data["environment"], [Result(**d) for d in data["results"]]
+
+
+def results_path(path: str) -> str:
+  """``path`` itself, or ``path/results.json`` when it is a directory."""
+  return os.path.join(path, "results.json") if os.path.isdir(path) else path
+
+
+def merge_environments(envs: list[dict]) -> dict:
+  """One environment for merged results: each field's distinct values, in
+  order, joined by " ; " (one value when the runs agree, as the GPU, driver
+  and versions should; dates and commands differ)."""
+  merged = {}
+  for env in envs:
+    for key, value in env.items():
+      values = merged.setdefault(key, [])
+      if value not in values:
+        values.append(value)
+  return {key: " ; ".join(str(v) for v in values)
+          for key, values in merged.items()}
 
 
 def markdown(results: Iterable[Result], subject: str = "flash3",

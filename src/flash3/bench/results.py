@@ -100,3 +100,34 @@ def add_ratios(results: list[Result], baseline: str) -> None:
     b = base.get((r.case_key(), r.mode))
     if r.tflops is not None and b:
       r.ratio_to_baseline = r.tflops / b
+
+
+def case_key_of(case) -> tuple:
+  """``Result.case_key()`` of the rows that ``case`` (a cases.Case) produces."""
+  return (case.suite, case.batch, case.q_len, case.kv_len, case.num_heads,
+          case.num_kv_heads, case.head_dim, case.dtype, case.mask)
+
+
+def merge(row_lists: list[list[Result]], baseline: str) -> list[Result]:
+  """One set of results from several runs: the shards of a suite, or a run
+  and a re-run of some of its cases.
+
+  The measured rows ("fwd", "fwd+bwd") are kept; for the same case,
+  contender and mode a later list's row replaces an earlier one, except that
+  an "unavailable" row replaces nothing. Backward-alone rows and ratios are
+  derived again from the kept rows, so the checkpoint of a run that was cut
+  off (which has neither) merges like a finished run's results.
+  """
+  kept = {}
+  for rows in row_lists:
+    for r in rows:
+      if r.mode == "bwd":
+        continue
+      key = (r.case_key(), r.impl, r.mode)
+      if r.status == "unavailable" and key in kept:
+        continue
+      kept[key] = dataclasses.replace(r, ratio_to_baseline=None)
+  merged = list(kept.values())
+  merged += derive_backward(merged)
+  add_ratios(merged, baseline)
+  return merged

@@ -1,17 +1,19 @@
 """Runs every case on every contender, in one process, and never crashes.
 
-For each case: random inputs, the reference on its check slices (once per
-mode, shared by all contenders), then for each contender and each variant:
-compile and run once, check against the reference (a wrong result is
-reported and not timed), time with CUPTI. A contender's best variant (lowest
-median) is its result. Whatever a contender raises becomes an "unsupported"
-row with the reason.
+For each case: random inputs, the reference on its check slices (one
+compiled program for all modes, shared by all contenders), then for each
+contender and each variant: compile and run once, check against the reference
+(a wrong result is reported and not timed), time with CUPTI. A contender's
+best variant (lowest median) is its result. Whatever a contender raises
+becomes an "unsupported" row with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
+import time
 from typing import Callable, Iterable
 
 import jax
@@ -91,16 +93,16 @@ def run_case(case: Case, implementations: list[impls.Implementation],
   """All contenders on one case, every mode of ``options``."""
   out = []
   q, k, v, do, seg = reference.random_inputs(case)
+  on_step(f"reference {case.label()}")
+  try:
+    expectations = reference.expected_modes(case, options.modes, q, k, v, do,
+                                            seg)
+  except Exception as e:  # Without a reference nothing can be checked.
+    return [Result.for_case(case, impl.name, mode, "unsupported",
+                            reason="reference failed: " + short_reason(e))
+            for mode in options.modes for impl in implementations]
   for mode in options.modes:
-    on_step(f"reference {case.label()} {mode}")
-    try:
-      exp = reference.expected(case, mode, q, k, v, do, seg)
-    except Exception as e:  # Without a reference nothing can be checked.
-      for impl in implementations:
-        out.append(Result.for_case(case, impl.name, mode, "unsupported",
-                                   reason="reference failed: "
-                                   + short_reason(e)))
-      continue
+    exp = expectations[mode]
     for impl in implementations:
       on_step(f"{impl.name} {case.label()} {mode}")
       if impl.name in unavailable:
@@ -139,7 +141,8 @@ def _better(a: dict, b: dict) -> bool:
 def run(cases: Iterable[Case], implementations: list[impls.Implementation],
         options: Options, progress: Callable | None = None,
         checkpoint: Callable[[list[Result]], None] | None = None,
-        time_budget_s: float | None = None) -> list[Result]:
+        time_budget_s: float | None = None, start: float | None = None,
+        log: Callable[[str], None] | None = None) -> list[Result]:
   """Every case on every contender; backward-alone rows and ratios added.
 
   Args:
@@ -147,12 +150,16 @@ def run(cases: Iterable[Case], implementations: list[impls.Implementation],
       calls when it has that method.
     checkpoint: called with the rows so far after each case, so a run that is
       cut off still leaves its results.
-    time_budget_s: start no new case after this many seconds (the cases left
-      are reported as skipped on stderr).
+    time_budget_s: start no case that would not end within this many seconds
+      of ``start``, judging by the longest case so far (the cases left are
+      reported on stderr). A deadline for the whole run, whose cases take
+      tens of seconds each, mostly compiling.
+    start: ``time.monotonic()`` when the run began (default: now); the
+      command line passes its own start, so imports count too.
+    log: gets one line per case done (its wall time), for runs without a
+      progress bar.
   """
-  import sys
-  import time
-  start = time.monotonic()
+  start = time.monotonic() if start is None else start
   cases = list(cases)
   unavailable = {}
   for impl in implementations:
@@ -162,15 +169,23 @@ def run(cases: Iterable[Case], implementations: list[impls.Implementation],
   iterator = progress(cases) if progress is not None else cases
   on_step = getattr(iterator, "set_postfix_str", None) or (lambda s: None)
   rows = []
+  longest = 0.0
   for done, case in enumerate(iterator):
-    if time_budget_s is not None and time.monotonic() - start > time_budget_s:
-      print(f"flash3-bench: time budget of {time_budget_s:.0f} s spent; "
-            f"{len(cases) - done} cases not run", file=sys.stderr)
+    now = time.monotonic()
+    if time_budget_s is not None and now - start + longest > time_budget_s:
+      print(f"flash3-bench: time budget of {time_budget_s:.0f} s: "
+            f"{len(cases) - done} cases not run ({now - start:.0f} s gone, "
+            f"the longest case took {longest:.0f} s)", file=sys.stderr)
       break
     rows += run_case(case, implementations, options, unavailable,
                      on_step=lambda s: on_step(s[:60]))
     if checkpoint is not None:
       checkpoint(rows)
+    took = time.monotonic() - now
+    longest = max(longest, took)
+    if log is not None:
+      log(f"flash3-bench: case {done + 1}/{len(cases)} {case.label()}: "
+          f"{took:.1f} s ({time.monotonic() - start:.0f} s in all)")
   rows += results_lib.derive_backward(rows)
   results_lib.add_ratios(rows, impls.BASELINE)
   return rows

@@ -1,0 +1,1 @@
+"""Stand-in for the xprof package: just enough for ``import tokamax``."""
