@@ -72,7 +72,8 @@ def environment(argv: list[str] | None = None) -> dict:
   here = os.path.dirname(os.path.abspath(__file__))
   commit = _run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"])
   if commit:
-    dirty = _run(["git", "-C", here, "status", "--porcelain", "--", "."])
+    # Uncommitted changes anywhere in the flash3 package (kernels included).
+    dirty = _run(["git", "-C", here, "status", "--porcelain", "--", ".."])
     env["git_commit"] = commit + ("+dirty" if dirty else "")
   env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds")
