@@ -759,6 +759,10 @@ def test_contenders_refuse_what_they_cannot_do():
     tuned = impls.IMPLEMENTATIONS["jax-mgpu"].variants(f16, True)
     assert len(tuned) == 3 and all(v.q_scale == 0.125 for v in tuned)
     assert len(impls.IMPLEMENTATIONS["jax-mgpu"].variants(f16, False)) == 1
+    for d, block_kv in ((64, 256), (128, 128), (256, 64), (96, 128)):
+      (untuned,) = impls.IMPLEMENTATIONS["jax-mgpu"].variants(
+          dataclasses.replace(f16, head_dim=d), False)
+      assert untuned.label == f"block_q=64 block_kv={block_kv}"
   huge = Case("t", 1, 131072, 131072, 16, 16, 128)
   with pytest.raises(impls.Unsupported, match="GiB"):
     impls.IMPLEMENTATIONS["xla"].variants(huge, True)

@@ -138,7 +138,11 @@ def _mgpu_unavailable():
   return None
 
 
-MGPU_BLOCK_KV = (128, 64, 256)  # Forward candidates; the first when untuned.
+MGPU_BLOCK_KV = (128, 64, 256)  # Forward candidates, all tried when tuning.
+# Untuned, one per head_dim: the best of MGPU_BLOCK_KV in the fa3 grid on an
+# H200 (2026-11-30, docs/benchmarks/h200), so --no-tune costs it little speed
+# for a third of the compiles.
+MGPU_UNTUNED_BLOCK_KV = {64: 256, 128: 128, 256: 64}
 
 
 def _mgpu_variants(case, tune):
@@ -150,7 +154,8 @@ def _mgpu_variants(case, tune):
     raise Unsupported("causal needs Tq == Tk")
   from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
   variants = []
-  for block_kv in (MGPU_BLOCK_KV if tune else MGPU_BLOCK_KV[:1]):
+  untuned = (MGPU_UNTUNED_BLOCK_KV.get(case.head_dim, MGPU_BLOCK_KV[0]),)
+  for block_kv in (MGPU_BLOCK_KV if tune else untuned):
     config = mgpu.TuningConfig(
         block_q=64, block_kv=block_kv, max_concurrent_steps=2,
         causal=case.causal, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
