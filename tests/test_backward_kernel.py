@@ -144,7 +144,9 @@ def test_config_rejects_bad_values():
 
 @pytest.mark.parametrize("D", [16, 32, 64, 96, 128, 192, 256])
 def test_heuristic_fits_shared_memory(D):
-  config = BackwardConfig.heuristic(D, 4096, 4096, CAUSAL_BR)
+  config = BackwardConfig.heuristic(D, 4096, 4096, CAUSAL_BR, interpret=True)
+  assert config.reverse_q_tiles
+  assert not BackwardConfig.heuristic(D, 4096, 4096, NO_MASK).reverse_q_tiles
   dq_bytes, dkv_bytes = config.smem_bytes(D, 2, interpret=True)
   assert max(dq_bytes, dkv_bytes) <= backward.SMEM_LIMIT_BYTES
   config.check_fits(D, 2)

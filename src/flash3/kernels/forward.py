@@ -181,9 +181,10 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   if d_pad != D or tk_pad != Tk:
     pad = ((0, 0), (0, tk_pad - Tk), (0, 0), (0, d_pad - D))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-  if config is None:
-    config = forward_config(d_pad, q.dtype, mask, Tq, Tk)
   interpret_params = common.interpret_params(interpret)
+  if config is None:
+    config = forward_config(d_pad, q.dtype, mask, Tq, Tk,
+                            interpret=interpret_params is not None)
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
