@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Everything one lease of the device machine should do, in one call, inside a deadline:
-# GPU tests (a sample that covers every kernel path and option), compute-sanitizer
-# racecheck on tiny shapes, the benchmark suite, and the training comparison.
-# With two GPUs, lane A (GPU 0) and lane B (GPU 1) run side by side, and the
-# two-device sharding test runs first on both.
+# One lease of the device machine, inside a deadline: named stages in two lanes.
+# With two GPUs lane A runs on GPU 0 and lane B on GPU 1 side by side; the "both"
+# stages (two-GPU tests and benchmark) run first, alone, on both GPUs. With one
+# GPU the lanes run one after the other.
 #
-# Usage, from the repo root on the device (the image's python3 has jax + CUDA):
-#   OUT=/some/dir DEADLINE=560 bash scripts/gpu_session.sh
-# Writes $OUT/r/* (logs, bench results, training logs and plots) and packs them into
-# $OUT/results.tar.gz after every stage, so a cut-off run still returns what it did.
+# Usage, from the repo root on the device (the image's python3 has jax + CUDA;
+# carry .whl for tokamax in the bench stage):
+#   OUT=/some/dir DEADLINE=560 BOTH="mgpu_bench" A="tests racecheck" B="drain bench" \
+#     bash scripts/gpu_session.sh
+# Stages: tests (kernel GPU tests, pytest-xdist), api (tests/test_mosaic_path.py),
+# serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
+# bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
+# (STEPS steps, packed documents), mgpu_tests, mgpu_bench (both GPUs).
+# Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
+# every stage, so a cut-off run still returns what it did.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -17,65 +22,76 @@ R="$OUT/r"
 mkdir -p "$R"
 START=$(date +%s)
 DEADLINE=${DEADLINE:-560}
-STEPS=${STEPS:-150}
-TRAIN=${TRAIN:-1}  # 0: no training comparison
-TESTS=${TESTS:-"(options and 128 and bfloat16) or (issue6 and D128 and not fp16) or deterministic or output_written"}
-BENCH=${BENCH:-"--suite fa3 --seqlens 4096,16384 --dtypes float16 --impls flash3,cudnn,jax-mgpu"}
+STEPS=${STEPS:-300}
+BENCH=${BENCH:-"--suite fa3 --seqlens 4096,16384 --dtypes bfloat16 --no-tune"}
+TEST_ARGS=${TEST_ARGS:-"tests/test_forward_kernel.py tests/test_backward_kernel.py"}
 
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 pack() { tar czf "$OUT/results.tar.gz" --exclude='*.npz' -C "$OUT" r 2>/dev/null; }
-stage() {  # stage NAME BUDGET_S GPU command...
+stage() {  # stage NAME BUDGET_S GPUS command...
   local name=$1 budget=$2 gpu=$3; shift 3
   local t; t=$(left)
   if [ "$t" -lt 30 ]; then echo "== $name: skipped, $t s left" | tee -a "$R/stages.txt"; return; fi
   [ "$budget" -gt "$t" ] && budget=$t
   echo "== $name: start (budget $budget s, GPU $gpu)" | tee -a "$R/stages.txt"
   local s=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$budget" "$@" > "$R/$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$budget" "$@" > "$R/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc after $(( $(date +%s) - s )) s" | tee -a "$R/stages.txt"
   pack
 }
+shared() {  # Several processes on one GPU: memory on demand.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 "$@"
+}
+run_stage() {  # run_stage NAME GPU
+  local g=$2
+  case $1 in
+    tests) shared stage tests ${TESTS_BUDGET:-420} "$g" python3 -m pytest -p no:cacheprovider \
+             -v -n ${TEST_JOBS:-14} -m "gpu and not serial" -rfE --durations=15 $TEST_ARGS ;;
+    api) shared stage api 120 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -rfE \
+           tests/test_mosaic_path.py ;;
+    serial) FLASH3_RESULTS_DIR="$R" XLA_PYTHON_CLIENT_PREALLOCATE=false stage serial 150 "$g" \
+              python3 -m pytest -q -s -p no:cacheprovider -m "gpu and serial" -rfE tests ;;
+    racecheck) stage racecheck 120 "$g" compute-sanitizer --tool racecheck --print-limit 20 \
+                 python3 scripts/racecheck.py ;;
+    drain) stage drain ${DRAIN_BUDGET:-200} "$g" python3 scripts/bench_drain.py \
+             --time-budget $(( ${DRAIN_BUDGET:-200} - 20 )) --jobs 8 --out "$R/drain" ;;
+    # shellcheck disable=SC2086
+    bench) stage bench ${BENCH_BUDGET:-280} "$g" bash scripts/with_tokamax.sh python3 -m flash3.bench \
+             $BENCH --no-progress --time-budget $(( ${BENCH_BUDGET:-280} - 20 )) --out "$R/bench" ;;
+    train_flash3|train_cudnn)
+      local impl=${1#train_}
+      local extra=""; [ "$impl" = flash3 ] && extra="--flash3-kernels-only"
+      stage "$1" ${TRAIN_BUDGET:-260} "$g" python3 -m examples.train_gpt --preset h200 \
+        --attention "$impl" $extra --seed 0 --steps "$STEPS" --no-progress --out "$R/train/$impl" ;;
+    mgpu_tests) shared stage mgpu_tests 200 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu \
+                  -rfE tests/test_multi_gpu.py ;;
+    mgpu_bench) stage mgpu_bench ${MGPU_BUDGET:-260} "$g" python3 scripts/bench_multi_gpu.py \
+                  --out "$R/mgpu" --time-budget $(( ${MGPU_BUDGET:-260} - 40 )) ;;
+    *) echo "unknown stage $1" | tee -a "$R/stages.txt" ;;
+  esac
+}
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpus.txt" 2>&1
-python3 -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())' >> "$R/gpus.txt" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c 'import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())'
+  date -u; } > "$R/gpus.txt" 2>&1
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 cat "$R/gpus.txt"
 if [ "$NGPU" -ge 2 ]; then
-  B=1
-  stage sharding 60 0,1 python3 -m pytest -q -p no:cacheprovider tests/test_mosaic_path.py \
-    -k sharded -rA
+  for s in ${BOTH:-}; do run_stage "$s" 0,1; done
+  (for s in ${A:-}; do run_stage "$s" 0; done) &
+  (for s in ${B:-}; do run_stage "$s" 1; done) &
+  wait
 else
-  B=0
+  for s in ${A:-} ${B:-}; do run_stage "$s" 0; done
 fi
-
-lane_a() {
-  stage tests_api 70 0 python3 -m pytest -q -p no:cacheprovider -rf tests/test_mosaic_path.py
-  XLA_FLAGS=--xla_gpu_autotune_level=0 stage tests 240 0 python3 -m pytest -q -p no:cacheprovider \
-    -m gpu -rf --maxfail=20 tests/test_forward_kernel.py tests/test_backward_kernel.py -k "$TESTS"
-  [ "$TRAIN" = 1 ] && stage train_flash3 170 0 python3 -m examples.train_gpt --preset h200 --attention flash3 \
-    --flash3-kernels-only --no-segments --seed 0 --steps "$STEPS" --no-progress --out "$R/train/flash3"
-}
-lane_b() {
-  # shellcheck disable=SC2086
-  stage bench 240 $B python3 -m flash3.bench $BENCH --iterations 5 --no-progress \
-    --time-budget ${BENCH_BUDGET:-200} --out "$R/bench"
-  stage racecheck 90 $B compute-sanitizer --tool racecheck --print-limit 20 \
-    python3 scripts/racecheck.py
-  [ "$TRAIN" = 1 ] && stage train_cudnn 170 $B python3 -m examples.train_gpt --preset h200 --attention cudnn \
-    --no-segments --seed 0 --steps "$STEPS" --no-progress --out "$R/train/cudnn"
-}
-
-if [ "$B" = 1 ]; then
-  lane_a & lane_b & wait
-else
-  lane_a; lane_b
+if [ -f "$R/train/flash3/log.json" ] && [ -f "$R/train/cudnn/log.json" ]; then
+  python3 -m examples.train_gpt.compare "$R/train/flash3/log.json" \
+    "$R/train/cudnn/log.json" --out "$R/train" > "$R/compare.log" 2>&1
 fi
-[ "$TRAIN" = 1 ] && python3 -m examples.train_gpt.compare "$R/train/flash3/log.json" \
-  "$R/train/cudnn/log.json" --out "$R/train" > "$R/compare.log" 2>&1
 pack
 cat "$R/stages.txt"
-tail -n 25 "$R/tests.log" 2>/dev/null
-tail -n 30 "$R/bench.log" 2>/dev/null
+grep -hE "^(FAILED|ERROR)|passed|failed" "$R"/tests.log "$R"/api.log "$R"/serial.log "$R"/mgpu_tests.log 2>/dev/null | tail -n 40
+grep -h "RACECHECK SUMMARY" "$R/racecheck.log" 2>/dev/null
 cat "$R/train/compare.md" 2>/dev/null
 echo "total $(( $(date +%s) - START )) s"
