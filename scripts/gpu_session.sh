@@ -11,7 +11,8 @@
 # Stages: tests (kernel GPU tests, pytest-xdist), api (tests/test_mosaic_path.py),
 # serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
-# (STEPS steps, packed documents), mgpu_tests, mgpu_bench (both GPUs).
+# (STEPS steps, packed documents), mgpu_tests, mgpu_bench (both GPUs),
+# testfile:PATH (the test ids listed in PATH).
 # Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
 # every stage, so a cut-off run still returns what it did.
 set -uo pipefail
@@ -48,6 +49,11 @@ run_stage() {  # run_stage NAME GPU
   case $1 in
     tests) shared stage tests ${TESTS_BUDGET:-420} "$g" python3 -m pytest -p no:cacheprovider \
              -v -n ${TEST_JOBS:-14} -m "gpu and not serial" -rfE --durations=15 $TEST_ARGS ;;
+    testfile:*)  # testfile:PATH runs the test ids listed in PATH (one per line)
+      local f=${1#testfile:}
+      # shellcheck disable=SC2046
+      shared stage "tests-$(basename "$f" .txt)" ${TESTS_BUDGET:-420} "$g" python3 -m pytest \
+        -p no:cacheprovider -n ${TEST_JOBS:-14} -rfE $(cat "$f") ;;
     api) shared stage api 120 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -rfE \
            tests/test_mosaic_path.py ;;
     serial) FLASH3_RESULTS_DIR="$R" XLA_PYTHON_CLIENT_PREALLOCATE=false stage serial 150 "$g" \
@@ -91,7 +97,7 @@ if [ -f "$R/train/flash3/log.json" ] && [ -f "$R/train/cudnn/log.json" ]; then
 fi
 pack
 cat "$R/stages.txt"
-grep -hE "^(FAILED|ERROR)|passed|failed" "$R"/tests.log "$R"/api.log "$R"/serial.log "$R"/mgpu_tests.log 2>/dev/null | tail -n 40
+grep -hE "^(FAILED|ERROR)|passed|failed" "$R"/tests*.log "$R"/api.log "$R"/serial.log "$R"/mgpu_tests.log 2>/dev/null | tail -n 40
 grep -h "RACECHECK SUMMARY" "$R/racecheck.log" 2>/dev/null
 cat "$R/train/compare.md" 2>/dev/null
 echo "total $(( $(date +%s) - START )) s"
