@@ -392,10 +392,15 @@ def test_gpu_e12_window_edges(causal, Tq, Tk):
       mask = MaskSpec(causal=causal, alignment=alignment, window_left=left,
                       window_right=right)
       _gpu_check(1, Tq, Tk, 1, 1, 64, jnp.bfloat16, mask, qkv=(q, k, v))
-  # Window (Tk - 1, 0) is causal.
-  o1, _ = attention_forward(q, k, v, scale=0.125, mask=MaskSpec(window_left=Tk - 1, window_right=0))
-  o2, _ = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_TL)
-  np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32), atol=1e-2)
+  # Window (Tk - 1, 0) is causal with bottom_right; with top_left only when
+  # Tq <= Tk (else (Tq - 1, 0) is): docs/semantics.md 2.3.
+  for alignment, left in (("bottom_right", Tk - 1), ("top_left", max(Tq, Tk) - 1)):
+    o1, _ = attention_forward(q, k, v, scale=0.125, mask=MaskSpec(
+        alignment=alignment, window_left=left, window_right=0))
+    o2, _ = attention_forward(q, k, v, scale=0.125, mask=MaskSpec(
+        causal=True, alignment=alignment))
+    np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32),
+                               atol=1e-2)
 
 
 @pytest.mark.gpu

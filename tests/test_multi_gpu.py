@@ -124,8 +124,10 @@ def test_context_parallel_equals_one_gpu_131072(causal):
 
 @pytest.mark.gpu
 @two_gpus
-@pytest.mark.parametrize("split", ["data", "heads"])
+@pytest.mark.parametrize("split", ["data"])
 def test_batch_head_sharded_equals_one_gpu(split):
+  # "heads" gave wrong values for some heads on two H200s (2026-11-30) and is
+  # refused now: test_heads_sharding_is_refused.
   q, k, v, do = _inputs(4, 2048, 8, 4)
   want, _ = _one_gpu(q, k, v, do, is_causal=True)
   mesh = jax.make_mesh((2,), (split,), axis_types=(AxisType.Auto,), devices=GPUS[:2])
@@ -143,6 +145,19 @@ def test_batch_head_sharded_equals_one_gpu(split):
   for x in (o, dq, dk, dv):
     assert pad(x.sharding.spec) == pad(spec)
   _assert_close(dict(o=o, dq=dq, dk=dk, dv=dv), want)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_heads_sharding_is_refused():
+  q, k, v, _ = _inputs(4, 256, 8, 4)
+  mesh = jax.make_mesh((2,), ("heads",), axis_types=(AxisType.Auto,), devices=GPUS[:2])
+  args = [jax.device_put(x, NamedSharding(mesh, P(None, None, "heads", None)))
+          for x in (q, k, v)]
+  with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError),
+                     match="sharded over heads"):
+    jax.jit(lambda q, k, v: flash3.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic"))(*args)
 
 
 # ------------------------------------------------- the benchmark script, on the CPU

@@ -45,7 +45,20 @@ def _reference_forward(q5, k, v):
   return sharding.split_heads(o, K), lse.transpose(0, 2, 1).reshape(B, K, N // K, T)
 
 
-@pytest.mark.parametrize("spec", [P("data", None, "model"), P("data"), P(None, None, "model")])
+@pytest.mark.parametrize("spec", [P("data", None, "model"), P(None, None, "model")])
+def test_partitioned_kernel_call_refuses_head_sharding(mesh, spec):
+  """Heads-sharded kernel calls gave wrong values on two H200s: refused, not gathered."""
+  q, k, v = _qkv()
+  q5 = sharding.split_heads(q, 4)
+  fn = sharding.partitioned(_reference_forward, ("q", "kv", "kv"), ("q", "row"))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  # Raised in the partitioner, so jax wraps it in a JaxRuntimeError carrying the text.
+  with pytest.raises((NotImplementedError, jax.errors.JaxRuntimeError),
+                     match="sharded over heads \\(mesh axis 'model'\\)"):
+    jax.jit(fn)(put(q5), put(k), put(v))
+
+
+@pytest.mark.parametrize("spec", [P("data"), P("data", None, None)])
 def test_partitioned_kernel_call_keeps_shards_and_never_gathers(mesh, spec):
   q, k, v = _qkv()
   q5 = sharding.split_heads(q, 4)

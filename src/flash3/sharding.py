@@ -3,8 +3,8 @@
 A Pallas kernel does not partition itself: left alone, XLA's partitioner would
 gather sharded operands onto every device. ``partitioned`` wraps a kernel call
 in ``jax.experimental.custom_partitioning`` with a Shardy rule that says which
-dimensions may stay sharded (batch and key/value heads) and which each device
-needs whole (sequence, head_dim, and the query heads of one GQA group). Each
+dimensions may stay sharded (batch; key/value heads are refused for now, see
+``partition``) and which each device needs whole (sequence, head_dim, and the query heads of one GQA group). Each
 device then runs the kernel on its own shard; a different input sharding is
 resharded by XLA at the call, never gathered silently inside it.
 
@@ -67,6 +67,15 @@ def partitioned(fn: Callable, in_kinds: Sequence[str], out_kinds: Sequence[str])
 
   def partition(mesh, arg_shapes, result_shape):
     batch_axis, head_axis = _axes(arg_shapes[0].sharding, in_kinds[0])
+    if head_axis is not None:
+      # On two H200s (2026-11-30) the kernels returned wrong values for some
+      # heads of head-sharded inputs while batch sharding was exact; until
+      # that is understood, refuse rather than gather or return wrong numbers.
+      raise NotImplementedError(
+          f"flash3: inputs sharded over heads (mesh axis {head_axis!r}) are not "
+          "supported on the Mosaic GPU kernels yet; shard the batch axis, use "
+          "flash3.context_parallel_attention for the sequence, or "
+          "implementation='xla'")
     arg_shardings = tuple(
         NamedSharding(mesh, _spec(kind, batch_axis, head_axis)) for kind in in_kinds)
     out_shardings = tuple(
