@@ -108,3 +108,10 @@ def test_flash3_switch_matches_xla_on_cpu():
     losses[impl] = float(model_lib.loss_fn(c, params, batch))
   assert abs(losses["flash3"] - losses["xla"]) < 2e-2, losses
   assert 5.0 < losses["xla"] < 6.0  # ~ln(256) at initialisation
+
+
+def test_cudnn_without_a_gpu_says_so(tmp_path):
+  if jnp.zeros(()).devices().pop().platform == "gpu":
+    pytest.skip("has a GPU")
+  with pytest.raises(SystemExit, match="--attention cudnn needs an NVIDIA GPU"):
+    train_lib.main(["--attention", "cudnn", "--steps", "1", "--out", str(tmp_path)])

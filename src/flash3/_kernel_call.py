@@ -3,7 +3,7 @@
 Each kernel call is wrapped twice, so that the API keeps working under jax's
 transformations:
 * ``sharding.partitioned``: under jit on sharded arrays, each device runs the
-  kernel on its own batch / key-value-head shard (no gather);
+  kernel on its own batch shard (no gather; head-sharded inputs are refused, see sharding.py);
 * ``_fold_vmap``: under vmap, the mapped axis is folded into the batch axis.
 
 Sinks need no backward kernel of their own: with the sink inside the
