@@ -102,8 +102,10 @@ CASES = {c.name: c for c in [
     _cp("cp-131072-causal-contiguous", 131072, True, layout="contiguous"),
 ]}
 # Most important first: the time budget may cut the tail.
-DEFAULT_CASES = ("cp-131072-causal", "bh-data-mha", "bh-heads-gqa", "cp-32768-causal",
-                 "cp-131072-full", "bh-heads-mha", "cp-32768-full")
+# Head-split cases are refused on the kernels for now (wrong values on two H200s,
+# docs/multi_gpu.md); they stay selectable by name or with "all".
+DEFAULT_CASES = ("cp-131072-causal", "bh-data-mha", "cp-32768-causal",
+                 "cp-131072-full", "bh-data-gqa", "cp-32768-full")
 
 
 def select_cases(spec: str) -> list[Case]:
