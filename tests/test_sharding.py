@@ -174,3 +174,88 @@ def test_gpu_kernel_calls_trace_with_every_option(option, softcap):
                       softcap=softcap)
   loss = lambda q, k, v: mosaic_attention(q, k, v, extras, static)[0].astype(jnp.float32).sum()
   jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k)
+
+
+def _cp_call(q, k, v, mesh=None, **kw):
+  mesh = mesh or _mesh((4,), ("ctx",))
+  kw.setdefault("sequence_axis", "ctx")
+  return context_parallel_attention(q, k, v, mesh=mesh, implementation="xla", **kw)
+
+
+def test_context_parallel_errors_match_dot_product_attention():
+  """Errors the two APIs share come from the same checks, word for word."""
+  q, k, v = _qkv(B=2, T=64, N=4, K=2)
+  seg = jnp.zeros((2, 64), jnp.int32)
+  cases = [
+      (ValueError, (q, k, v), dict(query_segment_ids=seg)),
+      (ValueError, (q, k, v), dict(query_segment_ids=seg[:, :10],
+                                   key_value_segment_ids=seg[:, :10])),
+      (TypeError, (q.tolist(), k.tolist(), v.tolist()), {}),
+      (TypeError, (q.astype(jnp.int32), k, v), {}),
+      (ValueError, (q, k, v), dict(sinks=jnp.zeros((3,)))),
+      (ValueError, (q, k, v), dict(scale=float("nan"))),
+  ]
+  for error, args, kw in cases:
+    with pytest.raises(error) as single:
+      flash3.dot_product_attention(*args, implementation="xla", **kw)
+    with pytest.raises(error) as parallel:
+      _cp_call(*args, **kw)
+    assert str(parallel.value) == str(single.value)
+  # The messages name the argument.
+  with pytest.raises(ValueError, match="only query_segment_ids was given"):
+    _cp_call(q, k, v, query_segment_ids=seg)
+  with pytest.raises(ValueError, match=re.escape(
+      "query_segment_ids has shape (2, 10); allowed: (2, 64)")):
+    _cp_call(q, k, v, query_segment_ids=seg[:, :10], key_value_segment_ids=seg[:, :10])
+  with pytest.raises(TypeError, match="query is a list; allowed: a jax or NumPy array"):
+    _cp_call(q.tolist(), k.tolist(), v.tolist())
+
+
+def test_context_parallel_rejects_mesh_axes_that_do_not_fit():
+  q, k, v = _qkv(B=2, T=64, N=4, K=2)
+  mesh = _mesh((4,), ("ctx",))
+  mesh2 = _mesh((2, 2), ("data", "ctx"))
+  cases = [
+      (dict(sequence_axis=None), "sequence_axis=None is not an axis of the mesh"),
+      (dict(batch_axis="data"), "batch_axis='data' is not an axis of the mesh"),
+      (dict(batch_axis="ctx"), "batch_axis='ctx' is also sequence_axis"),
+      (dict(head_axis="ctx"), "head_axis='ctx' is also sequence_axis"),
+      (dict(layout="striped"), "layout='striped'"),
+  ]
+  for kw, message in cases:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      _cp_call(q, k, v, mesh=mesh, **kw)
+  with pytest.raises(ValueError, match=re.escape("head_axis='data' is also batch_axis")):
+    _cp_call(q, k, v, mesh=mesh2, batch_axis="data", head_axis="data")
+  # K=2 key/value heads over a head axis of size 4.
+  with pytest.raises(ValueError, match=re.escape(
+      "key has K=2, which head_axis='ctx' of size 4 does not divide")):
+    _cp_call(q, k, v, mesh=_mesh((1, 4), ("seq", "ctx")), sequence_axis="seq",
+             head_axis="ctx")
+  # B=2 over a batch axis of size 4.
+  with pytest.raises(ValueError, match=re.escape(
+      "query has B=2, which batch_axis='ctx' of size 4 does not divide")):
+    _cp_call(q, k, v, mesh=_mesh((1, 4), ("seq", "ctx")), sequence_axis="seq",
+             batch_axis="ctx")
+  # T=36: a multiple of 4 (contiguous) but not of 8 (zigzag over 4 devices).
+  q36, k36, v36 = _qkv(B=2, T=36, N=4, K=2)
+  with pytest.raises(ValueError, match=re.escape(
+      "query has T=36, which is not a multiple of 8 (layout='zigzag'")) as e:
+    _cp_call(q36, k36, v36, mesh=mesh)
+  assert "sequence_axis='ctx' of size 4" in str(e.value)
+  assert _cp_call(q36, k36, v36, mesh=mesh, layout="contiguous").shape == q36.shape
+  with pytest.raises(ValueError, match=re.escape("query has T=34, which is not a multiple of 4")):
+    _cp_call(*_qkv(B=2, T=34, N=4, K=2), mesh=mesh, layout="contiguous")
+
+
+def test_context_parallel_checks_before_tracing(monkeypatch):
+  """A refused call never reaches shard_map."""
+  def fail(*args, **kwargs):
+    raise AssertionError("shard_map reached")
+  monkeypatch.setattr(jax, "shard_map", fail)
+  q, k, v = _qkv(B=2, T=64, N=4, K=2)
+  with pytest.raises(ValueError, match="head_axis"):
+    _cp_call(q, k, v, mesh=_mesh((1, 4), ("seq", "ctx")), sequence_axis="seq",
+             head_axis="ctx")
+  with pytest.raises(AssertionError, match="shard_map reached"):
+    _cp_call(q, k, v)

@@ -22,8 +22,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from flash3 import _validate
 from flash3.attention import dot_product_attention
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -107,36 +109,26 @@ def context_parallel_attention(
     o (B, T, N, D); with return_residual also lse (B, T, N) float32, natural log.
 
   Raises:
-    ValueError: T not a multiple of the chunks of the layout, query and key
-      lengths differ, a window without is_causal, or an unknown layout or axis.
+    ValueError: anything ``flash3.dot_product_attention`` refuses (same
+      messages), plus: rank 3 inputs, query and key lengths differ, a window
+      without is_causal, an unknown layout, mesh axes that are not distinct
+      axes of the mesh, or T, B, K or N not divisible by the size of the mesh
+      axis (2 * size for zigzag T) that splits it.
+    TypeError: a dtype ``flash3.dot_product_attention`` refuses, or q, k, v
+      that are not arrays.
   """
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout={layout!r}; allowed: {LAYOUTS}")
-  for name, axis in (("sequence_axis", sequence_axis), ("batch_axis", batch_axis),
-                     ("head_axis", head_axis)):
-    if axis is not None and axis not in mesh.axis_names:
-      raise ValueError(f"{name}={axis!r} is not an axis of the mesh {mesh.axis_names}")
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if len(x.shape) != 4:
-      raise ValueError(
-          f"{name} has shape {tuple(x.shape)}; allowed: rank 4 (B, T, heads, D)")
-  if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 \
-      and local_window_size[1] == 0:
-    local_window_size = local_window_size[0]  # (left, 0) is the causal left window.
-  if query.shape[1] != key.shape[1]:
-    raise ValueError(
-        f"query has T={query.shape[1]} and key T={key.shape[1]}; allowed: equal "
-        "lengths (context parallelism here is for self-attention)")
-  if local_window_size is not None and (not is_causal or not isinstance(local_window_size, int)):
-    raise ValueError(
-        f"local_window_size={local_window_size!r}; allowed: None, or an int left "
-        "window (or (left, 0)) together with is_causal=True")
+  p = _check(query, key, value, mesh=mesh, sequence_axis=sequence_axis,
+             batch_axis=batch_axis, head_axis=head_axis, layout=layout,
+             is_causal=is_causal, scale=scale, local_window_size=local_window_size,
+             query_segment_ids=query_segment_ids,
+             key_value_segment_ids=key_value_segment_ids,
+             logits_soft_cap=logits_soft_cap, sinks=sinks,
+             implementation=implementation, return_residual=return_residual)
+  is_causal = p.spec.causal
+  local_window_size = p.spec.window_left  # None, or the causal left window.
   num_shards = mesh.shape[sequence_axis]
-  chunks = 2 * num_shards if layout == "zigzag" else num_shards
-  if query.shape[1] % chunks:
-    raise ValueError(
-        f"T={query.shape[1]} is not a multiple of {chunks}, the number of "
-        f"{layout} chunks over {num_shards} devices")
+  query, key, value, sinks = p.q, p.k, p.v, p.sinks
+  query_segment_ids, key_value_segment_ids = p.query_segment_ids, p.key_value_segment_ids
 
   seq_spec = P(batch_axis, sequence_axis, head_axis, None)
   row_spec = P(batch_axis, sequence_axis)
@@ -160,6 +152,73 @@ def context_parallel_attention(
       mesh=mesh, in_specs=tuple(in_specs), out_specs=(seq_spec, lse_spec),
       check_vma=False)(*operands)
   return (o, lse) if return_residual else o
+
+
+def _check(query, key, value, *, mesh, sequence_axis, batch_axis, head_axis,
+           layout, is_causal, local_window_size, **kwargs) -> _validate.Problem:
+  """Every argument checked before shard_map traces anything.
+
+  The single-device checks run first, so errors the two APIs share read the
+  same; then what only context parallelism needs: the mesh axes and whether
+  they divide the dimensions they split.
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if hasattr(x, "shape") and len(np.shape(x)) != 4:
+      raise ValueError(
+          f"{name} has shape {np.shape(x)} (rank {len(np.shape(x))}); allowed: rank 4 "
+          "(B, T, heads, D) (context parallelism shards the batch and sequence axes)")
+  p = _validate.check(
+      query, key, value, None, None, is_causal=is_causal,
+      local_window_size=local_window_size, causal_alignment="top_left",
+      query_seq_lengths=None, key_value_seq_lengths=None, **kwargs)
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r}; allowed: {LAYOUTS}")
+  names = tuple(mesh.axis_names)
+  axes = (("sequence_axis", sequence_axis), ("batch_axis", batch_axis),
+          ("head_axis", head_axis))
+  for name, axis in axes:
+    if (axis is not None or name == "sequence_axis") and axis not in names:
+      optional = "" if name == "sequence_axis" else "None or "
+      raise ValueError(
+          f"{name}={axis!r} is not an axis of the mesh; allowed: {optional}one of {names}")
+  given = [(name, axis) for name, axis in axes if axis is not None]
+  for i, (name, axis) in enumerate(given):
+    for other, other_axis in given[:i]:
+      if axis == other_axis:
+        raise ValueError(
+            f"{name}={axis!r} is also {other}; allowed: distinct mesh axes "
+            "(one mesh axis cannot split two dimensions)")
+  B, Tq, N, _ = p.q.shape
+  Tk, K = p.k.shape[1], p.k.shape[2]
+  if Tq != Tk:
+    raise ValueError(
+        f"query has T={Tq} and key T={Tk}; allowed: equal lengths (context "
+        "parallelism here is for self-attention)")
+  window = local_window_size
+  if isinstance(window, (tuple, list)) and len(window) == 2 and window[1] == 0:
+    window = window[0]  # (left, 0) is the causal left window.
+  if window is not None and (not p.spec.causal or not isinstance(window, (int, np.integer))):
+    raise ValueError(
+        f"local_window_size={local_window_size!r}; allowed: None, or an int left "
+        "window (or (left, 0)) together with is_causal=True")
+  num_shards = mesh.shape[sequence_axis]
+  chunks = 2 * num_shards if layout == "zigzag" else num_shards
+  if Tq % chunks:
+    how = f"2 * {num_shards}" if layout == "zigzag" else f"{num_shards}"
+    raise ValueError(
+        f"query has T={Tq}, which is not a multiple of {chunks} (layout={layout!r} "
+        f"cuts it into {how} chunks over sequence_axis={sequence_axis!r} of size "
+        f"{num_shards}); allowed: T a multiple of {chunks}")
+  for name, axis, dim, size in (("batch_axis", batch_axis, "B", B),
+                                ("head_axis", head_axis, "K", K),
+                                ("head_axis", head_axis, "N", N)):
+    if axis is not None and size % mesh.shape[axis]:
+      whose = "key" if dim == "K" else "query"
+      raise ValueError(
+          f"{whose} has {dim}={size}, which {name}={axis!r} of size "
+          f"{mesh.shape[axis]} does not divide; allowed: {dim} a multiple of "
+          f"{mesh.shape[axis]}, or another {name}")
+  return p
 
 
 def _local_attention(q, k, v, *rest, sequence_axis, num_shards, layout, is_causal,
