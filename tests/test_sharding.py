@@ -259,3 +259,18 @@ def test_context_parallel_checks_before_tracing(monkeypatch):
              head_axis="ctx")
   with pytest.raises(AssertionError, match="shard_map reached"):
     _cp_call(q, k, v)
+
+
+def test_context_parallel_refuses_a_head_axis_on_the_kernels():
+  """Head-split kernel calls were wrong on two H200s: refused; the XLA path still takes it."""
+  mesh = _mesh((2, 2), ("heads", "ctx"))
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(B=1, T=32, N=4, K=2, D=64))
+  call = lambda **kw: context_parallel_attention(
+      q, k, v, mesh=mesh, sequence_axis="ctx", head_axis="heads", is_causal=True, **kw)
+  with flash3.interpret_kernels():
+    with pytest.raises(NotImplementedError, match="head_axis='heads'"):
+      call()
+  np.testing.assert_allclose(
+      call(implementation="xla").astype(jnp.float32),
+      flash3.dot_product_attention(q, k, v, is_causal=True, implementation="xla"
+                                   ).astype(jnp.float32), atol=2e-2)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from flash3 import _validate
+from flash3 import _dispatch, _validate
 from flash3.attention import dot_product_attention
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -116,6 +116,8 @@ def context_parallel_attention(
       axis (2 * size for zigzag T) that splits it.
     TypeError: a dtype ``flash3.dot_product_attention`` refuses, or q, k, v
       that are not arrays.
+    NotImplementedError: a head_axis when the Mosaic GPU kernels would run
+      (head-split kernel calls are refused for now; docs/multi_gpu.md).
   """
   p = _check(query, key, value, mesh=mesh, sequence_axis=sequence_axis,
              batch_axis=batch_axis, head_axis=head_axis, layout=layout,
@@ -124,6 +126,14 @@ def context_parallel_attention(
              key_value_segment_ids=key_value_segment_ids,
              logits_soft_cap=logits_soft_cap, sinks=sinks,
              implementation=implementation, return_residual=return_residual)
+  if (head_axis is not None and implementation != "xla"
+      and _dispatch.forward_reason(p) is None):
+    # Head-split kernel calls gave wrong values for some heads on two H200s
+    # (docs/multi_gpu.md); refused until understood, like in sharding.py.
+    raise NotImplementedError(
+        f"flash3: context_parallel_attention with head_axis={head_axis!r} is not "
+        "supported on the Mosaic GPU kernels yet; use head_axis=None (heads "
+        "whole on each device) or implementation='xla'")
   is_causal = p.spec.causal
   local_window_size = p.spec.window_left  # None, or the causal left window.
   num_shards = mesh.shape[sequence_axis]
