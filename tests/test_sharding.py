@@ -266,7 +266,8 @@ def test_context_parallel_refuses_a_head_axis_on_the_kernels():
   mesh = _mesh((2, 2), ("heads", "ctx"))
   q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(B=1, T=32, N=4, K=2, D=64))
   call = lambda **kw: context_parallel_attention(
-      q, k, v, mesh=mesh, sequence_axis="ctx", head_axis="heads", is_causal=True, **kw)
+      q, k, v, mesh=mesh, sequence_axis="ctx", head_axis="heads", is_causal=True,
+      layout="contiguous", **kw)
   with flash3.interpret_kernels():
     with pytest.raises(NotImplementedError, match="head_axis='heads'"):
       call()
