@@ -43,7 +43,7 @@ F16, BF16 = jnp.float16, jnp.bfloat16
 # Reference and checks
 # ----------------------------------------------------------------------------
 
-from kernel_reference import reference  # noqa: E402
+from kernel_reference import low_precision_o_with_options, reference  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "mask", "low_precision"))
@@ -635,29 +635,6 @@ def _reference_kwargs(opts):
               logits_soft_cap=opts.get("softcap"))
 
 
-def _low_precision_reference(q, k, v, *, scale, mask, opts):
-  """The reference's math with scores, soft cap, P and P @ V in the input dtype."""
-  B, Tq, N, D = q.shape
-  Tk, K = k.shape[1], k.shape[2]
-  dt = q.dtype
-  kr, vr = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
-  kw = _reference_kwargs(opts)
-  kw.pop("logits_soft_cap")
-  keep = dense_mask(mask, Tq, Tk, **kw)
-  s = (jnp.einsum("bqnd,bknd->bnqk", q, kr).astype(dt) * scale).astype(jnp.float32)
-  if opts.get("softcap") is not None:
-    c = opts["softcap"]
-    s = (c * jnp.tanh(s / c)).astype(dt).astype(jnp.float32)
-  s = jnp.where(keep, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  p = jnp.where(keep, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
-  o = jnp.einsum("bnqk,bknd->bqnd", p.astype(dt), vr).astype(jnp.float32)
-  return o
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "mask", "softcap"))
 def _opts_grads(q, k, v, do, arrays, *, scale, mask, softcap):
   """(o in q.dtype, lse (B, N, Tq), float32 grads, low-precision grads)."""
@@ -671,7 +648,7 @@ def _opts_grads(q, k, v, do, arrays, *, scale, mask, softcap):
 
   (o, lse), vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
   grads = vjp((f32(do), jnp.zeros_like(lse)))
-  _, vjp_low = jax.vjp(lambda q, k, v: _low_precision_reference(
+  _, vjp_low = jax.vjp(lambda q, k, v: low_precision_o_with_options(
       q, k, v, scale=scale, mask=mask, opts=opts), q, k, v)
   low = vjp_low(do.astype(jnp.float32))
   return o.astype(q.dtype), lse.transpose(0, 2, 1), grads, low

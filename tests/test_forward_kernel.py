@@ -38,7 +38,7 @@ CAUSAL_BR = MaskSpec(causal=True, alignment="bottom_right")
 # Reference and checks
 # ----------------------------------------------------------------------------
 
-from kernel_reference import reference  # noqa: E402
+from kernel_reference import low_precision_o_with_options, reference  # noqa: E402
 
 
 def assert_matches(o, lse, q, k, v, *, scale, mask, factor=3.0, atol=2e-3):
@@ -441,38 +441,6 @@ from flash3.kernels.forward import SUPPORTED_FEATURES  # noqa: E402
 from flash3.reference import attention_reference  # noqa: E402
 
 
-def _low_precision_o(q, k, v, *, scale, mask, opts):
-  """o by the reference's math with scores and P @ V in the input dtype."""
-  B, Tq, N, D = q.shape
-  Tk, K = k.shape[1], k.shape[2]
-  dt = q.dtype
-  kr = jnp.repeat(k, N // K, axis=2)
-  vr = jnp.repeat(v, N // K, axis=2)
-  keep = dense_mask(mask, Tq, Tk,
-                    query_seq_lengths=opts.get("q_lengths"),
-                    key_value_seq_lengths=opts.get("kv_lengths"),
-                    query_segment_ids=opts.get("q_segment_ids"),
-                    key_value_segment_ids=opts.get("kv_segment_ids"))
-  k_alive = jnp.broadcast_to(keep, (B, 1, Tq, Tk)).any(axis=(1, 2))
-  vr = jnp.where(k_alive[:, :, None, None], vr, 0)
-  s = (jnp.einsum("bqnd,bknd->bnqk", q, kr).astype(dt) * scale).astype(jnp.float32)
-  if opts.get("softcap") is not None:
-    c = opts["softcap"]
-    s = (c * jnp.tanh(s / c)).astype(dt).astype(jnp.float32)
-  s = jnp.where(keep, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  sinks = opts.get("sinks")
-  if sinks is not None:
-    m = jnp.maximum(m, sinks[None, :, None, None])
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(keep, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  if sinks is not None:
-    l = l + jnp.exp(sinks[None, :, None, None] - m)
-  p = p / jnp.where(l > 0, l, 1.0)
-  return jnp.einsum("bnqk,bknd->bqnd", p.astype(dt), vr).astype(jnp.float32)
-
-
 def assert_matches_opts(o, lse, q, k, v, *, scale, mask, factor=3.0, atol=2e-3,
                         **opts):
   """FlashAttention-3's rule against ``flash3.reference.attention_reference``."""
@@ -498,7 +466,7 @@ def assert_matches_opts(o, lse, q, k, v, *, scale, mask, factor=3.0, atol=2e-3,
       logits_soft_cap=opts.get("softcap"), sinks=opts.get("sinks"))
   ref_o32 = np.asarray(ref_o32)
   ref_lse = np.asarray(ref_lse).transpose(0, 2, 1)  # (B, N, Tq) like the kernel
-  low_o = np.asarray(_low_precision_o(q, k, v, scale=scale, mask=mask, opts=opts))
+  low_o = np.asarray(low_precision_o_with_options(q, k, v, scale=scale, mask=mask, opts=opts))
   low_err = float(np.max(np.abs(low_o - ref_o32))) if o.size else 0.0
   err = float(np.max(np.abs(o - ref_o32))) if o.size else 0.0
   assert err <= factor * low_err + atol, (
