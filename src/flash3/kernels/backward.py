@@ -71,7 +71,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -80,23 +79,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import common
+from flash3.kernels.config import SMEM_LIMIT_BYTES, check_bool, check_multiple
 from flash3.kernels.forward import _check_extras, _segment_tile_ranges
 from flash3.visibility import MaskSpec
 
-# Opt-in shared memory per CTA on sm90, minus room for barriers.
-SMEM_LIMIT_BYTES = 227 * 1024
 _SMEM_RESERVED_BYTES = 1024
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Optional inputs of ``attention_backward`` that pass the tests (issue 6); the
 # API runs the XLA reference backward for the others. Sinks need nothing here.
 SUPPORTED_FEATURES = frozenset({"lengths", "segments", "softcap"})
-
-
-def _check_int(name: str, value: Any, multiple: int, lo: int, hi: int) -> None:
-  if (not isinstance(value, int) or isinstance(value, bool) or value % multiple
-      or not lo <= value <= hi):
-    raise ValueError(f"{name}={value!r} is not allowed: it must be a multiple "
-                     f"of {multiple} in [{lo}, {hi}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +125,12 @@ class BackwardConfig:
 
   def __post_init__(self):
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
-      _check_int(name, getattr(self, name), 64, 64, 256)
-    _check_int("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
-    _check_int("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
-    _check_int("num_stages", self.num_stages, 1, 1, 8)
+      check_multiple(name, getattr(self, name), 64, 64, 256)
+    check_multiple("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
+    check_multiple("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
+    check_multiple("num_stages", self.num_stages, 1, 1, 8)
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+      check_bool(name, getattr(self, name))
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2,
                  interpret: bool = False) -> tuple[int, int]:

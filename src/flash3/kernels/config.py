@@ -32,12 +32,19 @@ SMEM_RESERVED_BYTES = 3072
 NUM_COMPUTE_WARPGROUPS = 2
 
 
-def _check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
+def check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
+  """ValueError naming the config field unless value is an int multiple in [lo, hi]."""
   if (not isinstance(value, int) or isinstance(value, bool) or value % multiple
       or not lo <= value <= hi):
     raise ValueError(
         f"{name}={value!r} is not allowed: it must be a multiple of {multiple} "
         f"in [{lo}, {hi}]")
+
+
+def check_bool(name: str, value) -> None:
+  """ValueError naming the config field unless value is a bool."""
+  if not isinstance(value, bool):
+    raise ValueError(f"{name}={value!r} must be a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +75,11 @@ class ForwardConfig:
   def __post_init__(self):
     if self.block_q != 64:
       raise ValueError(f"block_q={self.block_q!r} is not allowed: it must be 64")
-    _check_multiple("block_kv", self.block_kv, 64, 64, 256)
-    _check_multiple("num_stages", self.num_stages, 1, 1, 8)
-    _check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
-    _check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
-    if not isinstance(self.reverse_q_tiles, bool):
-      raise ValueError(f"reverse_q_tiles={self.reverse_q_tiles!r} must be a bool")
+    check_multiple("block_kv", self.block_kv, 64, 64, 256)
+    check_multiple("num_stages", self.num_stages, 1, 1, 8)
+    check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
+    check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
+    check_bool("reverse_q_tiles", self.reverse_q_tiles)
     # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
     total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
                    + self.producer_registers)
