@@ -572,19 +572,18 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse = jnp.where(seen, m * common.LN_2 + jnp.log(jnp.where(seen, l, 1.0)),
                     -jnp.inf)
-    # Rows i >= q_len see nothing: they were computed like the others and are
-    # replaced here (selected, so NaN in their q cannot leak). Done with or
-    # without lengths (Tq static then; the rows past it are dropped anyway) so
-    # that both paths run the same instructions and lengths == T stays bitwise
-    # equal to no lengths (E11): on the H200 the lse differed by rounding when
-    # only the lengths path had these selects.
-    row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
-                                        layout=plgpu.Layout.WGMMA)
-    o = jnp.where(row < Tq, o, 0.0)
-    row_ok = q_lo + plgpu.broadcasted_iota(
-        jnp.int32, (block_q,), 0, layout=reduced) < Tq
-    empty_lse = -jnp.inf if sink is None else sink
-    lse = jnp.where(row_ok, lse, empty_lse)
+    if has_lengths:
+      # Rows i >= q_len see nothing: they were computed like the others and
+      # are replaced here (selected, so NaN in their q cannot leak). Without
+      # lengths TMA drops the rows past Tq. (Running these selects in both
+      # paths did not make lse bitwise equal at tiny T on the H200: E11.)
+      row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
+                                          layout=plgpu.Layout.WGMMA)
+      o = jnp.where(row < Tq, o, 0.0)
+      row_ok = q_lo + plgpu.broadcasted_iota(
+          jnp.int32, (block_q,), 0, layout=reduced) < Tq
+      empty_lse = -jnp.inf if sink is None else sink
+      lse = jnp.where(row_ok, lse, empty_lse)
     q_smem[...] = o.astype(dtype)
     lse_smem = smem["lse"].at[wg]
     lse_smem[...] = lse
