@@ -110,8 +110,9 @@ def test_flash3_switch_matches_xla_on_cpu():
   assert 5.0 < losses["xla"] < 6.0  # ~ln(256) at initialisation
 
 
-def test_cudnn_without_a_gpu_says_so(tmp_path):
-  if jnp.zeros(()).devices().pop().platform == "gpu":
-    pytest.skip("has a GPU")
-  with pytest.raises(SystemExit, match="--attention cudnn needs an NVIDIA GPU"):
-    train_lib.main(["--attention", "cudnn", "--steps", "1", "--out", str(tmp_path)])
+def test_cudnn_without_a_gpu_says_so():
+  with pytest.raises(SystemExit, match="--attention cudnn needs an NVIDIA GPU; the "
+                     "default device is a cpu"):
+    train_lib.check_attention_device("cudnn", "cpu")
+  train_lib.check_attention_device("cudnn", "gpu")
+  train_lib.check_attention_device("flash3", "cpu")

@@ -165,6 +165,13 @@ def write_json(path: pathlib.Path, obj) -> None:
   os.replace(tmp, path)
 
 
+def check_attention_device(attention: str, platform: str) -> None:
+  """cuDNN needs an NVIDIA GPU: say so up front, not deep inside the first step."""
+  if attention == "cudnn" and platform != "gpu":
+    raise SystemExit(f"--attention cudnn needs an NVIDIA GPU; the default device is a "
+                     f"{platform}: use --attention flash3 or xla here")
+
+
 def main(argv=None) -> dict:
   """Parse flags, train, and return the log (also written to OUT/log.json)."""
   args = parse_args(argv)
@@ -197,10 +204,7 @@ def run(args, caught_warnings: list[str]) -> dict:
       segments=not args.no_segments,
       max_segments=data_lib.max_segments_per_row(args.seq_len, min_bytes))
   device = jax.devices()[0]
-  if args.attention == "cudnn" and device.platform != "gpu":
-    # cuDNN needs an NVIDIA GPU; say so instead of failing deep inside the first step.
-    raise SystemExit(f"--attention cudnn needs an NVIDIA GPU; the default device is a "
-                     f"{device.platform}: use --attention flash3 or xla here")
+  check_attention_device(args.attention, device.platform)
   path_line = attention_lib.describe(args.attention)
   say(f"device: {device.device_kind} ({device.platform}); attention: {path_line}")
   say(f"data: {len(train_stream.files)} train files ({len(train_stream) / 1e6:.1f} MB), "
