@@ -8,6 +8,8 @@ in the same locked section, cuDNN on the same inputs: every row carries its
 own cuDNN ratio. FLOPs: FlashAttention-3's convention.
 
   PYTHONPATH=src python3 scripts/tune.py --what fwd --out $OUT/tune --jobs 8
+  # the persistent kernel (issue 3) next to the grid kernel, non-causal:
+  PYTHONPATH=src python3 scripts/tune.py --what fwd --persistent 0 1 --causal 0
 
 Writes one JSON line per measurement to ``<out>/tune_<what>.jsonl`` as it goes
 and prints a markdown row per measurement.
@@ -35,7 +37,12 @@ def _init(lock):
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def _fwd_candidates(D, causal):
+def _fwd_candidates(D, causal, persistent=(False,), num_sms=132):
+  """Forward configs that fit; ``persistent`` lists the values of that field to sweep.
+
+  Persistent variants stage o apart from q where shared memory allows
+  (``config.persistent_separate_o``), in the q tile otherwise.
+  """
   from flash3.kernels.config import ForwardConfig, check_fits
   out = []
   for bk, st in itertools.product((64, 128, 192, 256), (2, 3, 4)):
@@ -44,9 +51,11 @@ def _fwd_candidates(D, causal):
       check_fits(c, D, 2)
     except ValueError:
       continue
-    out.append(c)
-    if causal:
-      out.append(dataclasses.replace(c, reverse_q_tiles=True))
+    for p in persistent:
+      cp = dataclasses.replace(c, persistent=bool(p), num_sms=num_sms)
+      out.append(cp)
+      if causal:
+        out.append(dataclasses.replace(cp, reverse_q_tiles=True))
   return out
 
 
@@ -146,6 +155,10 @@ def main():
   ap.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
   ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
   ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+  ap.add_argument("--persistent", type=int, nargs="+", default=[0],
+                  help="fwd: values of ForwardConfig.persistent to sweep (0 1 for both)")
+  ap.add_argument("--num-sms", type=int, default=132,
+                  help="fwd: CTAs of the persistent kernel (132 SMs on an H200)")
   ap.add_argument("--jobs", type=int, default=8)
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--time-budget", type=float, default=300)
@@ -155,7 +168,10 @@ def main():
   start = time.time()
   tasks = []
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
-    cands = (_fwd_candidates if args.what == "fwd" else _bwd_candidates)(D, bool(causal))
+    if args.what == "fwd":
+      cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms)
+    else:
+      cands = _bwd_candidates(D, bool(causal))
     tasks += [(args.what, args.dtype, D, T, bool(causal), c, args.iterations) for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)
   path = os.path.join(args.out, f"tune_{args.what}.jsonl")

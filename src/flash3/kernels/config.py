@@ -11,7 +11,10 @@ dtype except the float32 lse staging:
   the output reuses the q tile),
 * the K/V ring: ``2 * num_stages * block_kv * D`` elements,
 * lse staging: ``2 * block_q`` float32,
-* interpret mode only: ``2 * block_q * block_kv`` elements for P (see common.py).
+* interpret mode only: ``2 * block_q * block_kv`` elements for P (see common.py),
+* persistent kernel only, when it fits (``persistent_separate_o``): a separate
+  ``2 * block_q * D`` output tile, so the next work item's q can load while
+  this one's o is stored.
 
 Hopper (H100, H200) gives a CTA at most 227 KiB of shared memory.
 """
@@ -63,6 +66,12 @@ class ForwardConfig:
     reverse_q_tiles: launch the query tiles last-first (the ones that see
       the most keys under a causal mask start first; see
       ``common.grid_index``).
+    persistent: launch ``min(num_sms, work items)`` CTAs that each loop over
+      work items (head, query tile, batch) in a static round-robin order; the
+      K/V ring streams on across items, so the producer loads the next item's
+      tiles while the compute warpgroups finish the current one.
+    num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
+      ignored unless ``persistent``.
   """
 
   block_q: int = 64
@@ -71,6 +80,8 @@ class ForwardConfig:
   compute_registers: int = 232
   producer_registers: int = 40
   reverse_q_tiles: bool = False
+  persistent: bool = False
+  num_sms: int = 132
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -80,6 +91,8 @@ class ForwardConfig:
     check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
     check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
+    check_bool("persistent", self.persistent)
+    check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
     total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
                    + self.producer_registers)
@@ -102,6 +115,20 @@ def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
   if interpret:
     total += n * config.block_q * config.block_kv * itemsize
   return total + SMEM_RESERVED_BYTES
+
+
+def persistent_separate_o(config: ForwardConfig, head_dim: int, itemsize: int,
+                          *, num_stages: int | None = None,
+                          interpret: bool = False) -> bool:
+  """Whether the persistent kernel has room for an output tile apart from q.
+
+  With it, a compute warpgroup loads the next item's q as soon as its last
+  QK^T is done, before its epilogue; without it, o is staged in the q tile
+  and the next q loads only after the store has read it.
+  """
+  o_bytes = NUM_COMPUTE_WARPGROUPS * config.block_q * head_dim * itemsize
+  return (forward_smem_bytes(config, head_dim, itemsize, num_stages=num_stages,
+                             interpret=interpret) + o_bytes <= SMEM_LIMIT_BYTES)
 
 
 def check_fits(config: ForwardConfig, head_dim: int, itemsize: int,

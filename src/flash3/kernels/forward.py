@@ -39,6 +39,17 @@ logit. Limitation (as for causal before): NaN in a V row that no query sees
 but that shares a key tile with visible keys (segments, windows) can still
 reach the output; keys past kv_len and whole unseen tiles cannot.
 
+Persistent kernel (``ForwardConfig.persistent``, issue 3, opt-in): instead of
+one CTA per (head, query tile, batch), ``min(num_sms, items)`` CTAs each loop
+over those work items in a static round-robin order (item ``cta + i *
+num_ctas``, heads fastest as in the grid). The K/V ring and its barriers run on
+across items (a carried tile count places each tile's slot), so the producer
+streams the next item's K/V while the compute warpgroups finish the current
+one; when shared memory allows, o is staged apart from q and the next item's
+q loads during the epilogue (else after the o store has read the q tile).
+Each item runs the same instructions as in the grid kernel, so the results
+are bitwise equal. Every mask and option is supported.
+
 Head dims that are not a multiple of 64 are zero-padded to the next multiple
 of 64 in device memory (q, k, v copied once, o sliced): this costs one extra
 read+write of q, k, v and o and ``D_pad / D`` times the matmul work.
@@ -58,7 +69,8 @@ import jax.numpy as jnp
 
 from flash3.kernels import common
 from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
-                                   check_fits, forward_config)
+                                   check_fits, forward_config,
+                                   persistent_separate_o)
 from flash3.visibility import MaskSpec
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -70,6 +82,10 @@ MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535
 HEAD_DIM_MULTIPLE = 64  # D is padded up to this (one 128-byte swizzle row).
 ROW_TILE = 8  # Rows of one swizzled smem tile; TMA lengths must be multiples.
+# Testing knob: None lets the persistent kernel stage o apart from q when
+# shared memory allows (``config.persistent_separate_o``); True / False force
+# one way (False is the only way at D=256). Read outside jit, passed static.
+PERSISTENT_SEPARATE_O: bool | None = None
 
 
 def _round_up(x: int, m: int) -> int:
@@ -188,11 +204,19 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
+  separate_o = False
+  if config.persistent:
+    separate_o = persistent_separate_o(
+        config, d_pad, q.dtype.itemsize, num_stages=_num_stages(config, Tk),
+        interpret=interpret_params is not None)
+    if PERSISTENT_SEPARATE_O is not None:
+      separate_o = bool(PERSISTENT_SEPARATE_O)
   o, lse = _forward(q, k, v, extras["lengths"], extras["sinks"],
                     extras["segments"], scale=scale,
                     mask=mask, config=config, interpret=interpret_params,
                     q_len=Tq, kv_len=Tk, softcap=extras["softcap"],
-                    drain=common.drains_barriers(interpret_params))
+                    drain=common.drains_barriers(interpret_params),
+                    separate_o=separate_o)
   if d_pad != D or tq_pad != Tq:
     o = o[:, :Tq, :, :D]
   return o, lse[:, :, :Tq]
@@ -292,10 +316,11 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap",
-    "drain"))
+    "drain", "separate_o"))
 def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
              config: ForwardConfig, interpret: Any, q_len: int, kv_len: int,
-             softcap: float | None, drain: bool = True):
+             softcap: float | None, drain: bool = True,
+             separate_o: bool = False):
   """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer).
 
   ``lengths`` (None or (q_len, kv_len) (B,) int32) and ``sinks`` (None or
@@ -322,7 +347,8 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       block_q=block_q, block_kv=block_kv, stages=stages, dtype=dtype,
       config=config, num_q_ctas=num_q_ctas, has_lengths=lengths is not None,
       has_sinks=sinks is not None, has_segments=segments is not None,
-      softcap=softcap, drain=drain)
+      softcap=softcap, drain=drain, num_heads=N, batch_size=B,
+      separate_o=separate_o)
   extra_inputs = ((*lengths,) if lengths is not None else ()) + (
       (sinks,) if sinks is not None else ())
   if segments is not None:
@@ -351,10 +377,20 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
                            num_barriers=stages),
       schedule=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS),
   )
+  if config.persistent and separate_o:
+    scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
+                              transforms=transforms)
   if staging:  # Interpret mode only: P goes to P @ V through shared memory.
     scratch["p"] = plgpu.SMEM(
         (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
+  if config.persistent:
+    # One CTA per SM (at most one per work item), each looping over items.
+    num_ctas = min(config.num_sms, N * num_q_ctas * B)
+    body = functools.partial(body, num_ctas=num_ctas)
+    grid, grid_names = (num_ctas,), ("cta",)
+  else:
+    grid, grid_names = (N, num_q_ctas, B), ("heads", "q_tiles", "batch")
   kernel = plgpu.kernel(
       lambda q_ref, k_ref, v_ref, *refs: pl.run_scoped(
           lambda **s: body(q_ref, k_ref, v_ref, refs[-2], refs[-1], s,
@@ -362,8 +398,8 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
           **scratch, collective_axes="wg"),
       out_type=(jax.ShapeDtypeStruct((B, Tq_buf, N, D), dtype),
                 jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
-      grid=(N, num_q_ctas, B),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=NUM_COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -386,56 +422,86 @@ def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int)
 def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  Tq, Tk, heads_per_kv, scale, mask, block_q, block_kv, stages,
                  dtype, config, num_q_ctas, has_lengths, has_sinks,
-                 has_segments, softcap, drain=True):
-  wg = lax.axis_index("wg")
-  q_cta = common.grid_index("q_tiles", num_q_ctas, config.reverse_q_tiles)
-  head = lax.axis_index("heads")
-  batch = lax.axis_index("batch")
-  kv_head = lax.div(head, jnp.asarray(heads_per_kv, head.dtype))
-  extra_refs = list(extra_refs)
-  if has_lengths:
-    # Per-batch scalars: plain scalar loads from global memory (every thread
-    # loads the same two words; they stay in registers for the whole CTA).
-    q_len_ref, kv_len_ref = extra_refs.pop(0), extra_refs.pop(0)
-    Tq, Tk = q_len_ref[batch], kv_len_ref[batch]
-  sink = extra_refs.pop(0)[head] if has_sinks else None
-  if has_segments:
-    q_ids_ref, kv_ids_ref, seg_ref = extra_refs
-  shift = mask.shift(Tq, Tk)
-  cta_q_lo = q_cta * (NUM_COMPUTE_WARPGROUPS * block_q)
-  cta_q_hi = jnp.minimum(cta_q_lo + NUM_COMPUTE_WARPGROUPS * block_q, Tq)
-  # The key tiles this CTA streams; both compute warpgroups step through all of them.
-  t_lo, t_hi = _tile_ranges(mask, cta_q_lo, cta_q_hi, shift, Tk, block_kv)
-  if has_segments:
-    # Only the key tiles the CTA's documents touch (the union over its two
-    # warpgroups' query tiles).
-    tile0 = q_cta * NUM_COMPUTE_WARPGROUPS
-    t_lo = jnp.maximum(t_lo, jnp.minimum(seg_ref[batch, tile0, 0],
-                                         seg_ref[batch, tile0 + 1, 0]))
-    t_hi = jnp.minimum(t_hi, jnp.maximum(seg_ref[batch, tile0, 1],
-                                         seg_ref[batch, tile0 + 1, 1]))
-  t_hi = jnp.maximum(t_hi, t_lo)
+                 has_segments, softcap, drain=True, num_heads=None,
+                 batch_size=None, num_ctas=None, separate_o=False):
+  """One CTA: one work item (the grid), or a loop over items (``config.persistent``).
 
-  def slot_of(t):
-    return lax.rem(t - t_lo, stages)
+  A work item is (head, query CTA tile, batch). The persistent kernel
+  (``num_ctas`` CTAs on a 1D grid named "cta") takes items
+  ``cta, cta + num_ctas, ...`` in the grid's order (heads fastest). The K/V
+  ring runs on across items: ``g``, the count of tiles this CTA has streamed
+  before the item, places the item's first tile in slot ``g % stages``, and
+  the mbarriers track their own phases, so each barrier sees one arrival and
+  one wait per tile whatever item the tile belongs to.
+  """
+  wg = lax.axis_index("wg")
+  extra_refs = list(extra_refs)
+  len_refs = (extra_refs.pop(0), extra_refs.pop(0)) if has_lengths else None
+  sink_ref = extra_refs.pop(0) if has_sinks else None
+  seg_refs = tuple(extra_refs) if has_segments else None
+  static_lengths = (Tq, Tk)
+  cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
+
+  def setup(head, q_cta, batch):
+    """The per-item scalars: lengths, shift, the key tiles the CTA streams."""
+    kv_head = lax.div(head, jnp.asarray(heads_per_kv, head.dtype))
+    Tq, Tk = static_lengths
+    if has_lengths:
+      # Per-batch scalars: plain scalar loads from global memory (every
+      # thread loads the same two words; they stay in registers).
+      Tq, Tk = len_refs[0][batch], len_refs[1][batch]
+    sink = sink_ref[head] if has_sinks else None
+    shift = mask.shift(Tq, Tk)
+    cta_q_lo = q_cta * cta_rows
+    cta_q_hi = jnp.minimum(cta_q_lo + cta_rows, Tq)
+    # The key tiles this CTA streams; both compute warpgroups step through all of them.
+    t_lo, t_hi = _tile_ranges(mask, cta_q_lo, cta_q_hi, shift, Tk, block_kv)
+    if has_segments:
+      seg_ref = seg_refs[2]
+      # Only the key tiles the CTA's documents touch (the union over its two
+      # warpgroups' query tiles).
+      tile0 = q_cta * NUM_COMPUTE_WARPGROUPS
+      t_lo = jnp.maximum(t_lo, jnp.minimum(seg_ref[batch, tile0, 0],
+                                           seg_ref[batch, tile0 + 1, 0]))
+      t_hi = jnp.minimum(t_hi, jnp.maximum(seg_ref[batch, tile0, 1],
+                                           seg_ref[batch, tile0 + 1, 1]))
+    t_hi = jnp.maximum(t_hi, t_lo)
+    return dict(head=head, q_cta=q_cta, batch=batch, kv_head=kv_head, Tq=Tq,
+                Tk=Tk, sink=sink, shift=shift, cta_q_lo=cta_q_lo, t_lo=t_lo,
+                t_hi=t_hi)
+
+  def slot_fn(it, g0):
+    if g0 is None:  # One item per CTA: its first tile takes slot 0.
+      return lambda t: lax.rem(t - it["t_lo"], stages)
+    return lambda t: lax.rem(g0 + (t - it["t_lo"]), stages)
 
   def schedule_sync():
     plgpu.barrier_arrive(smem["schedule"])
     plgpu.barrier_wait(smem["schedule"])
 
-  @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
-  def _compute():
-    plgpu.set_max_registers(config.compute_registers, action="increase")
+  def compute_item(it, slot_of, *, load_q, next_q=None):
+    """One item on compute warpgroup ``wg``.
+
+    ``next_q``: None for the one-item kernel; else ``(has_next, issue)``,
+    ``issue()`` starting the TMA of the next item's q into this warpgroup's
+    q tile, done once nothing reads that tile any more.
+    """
+    batch, head, Tq, Tk, shift = (it["batch"], it["head"], it["Tq"], it["Tk"],
+                                  it["shift"])
+    t_lo, t_hi, sink = it["t_lo"], it["t_hi"], it["sink"]
+    if has_segments:
+      q_ids_ref, kv_ids_ref, seg_ref = seg_refs
     q_smem = smem["qo"].at[wg]
     p_stage = smem["p"].at[wg] if "p" in smem else None
-    q_lo = cta_q_lo + wg * block_q
+    q_lo = it["cta_q_lo"] + wg * block_q
     q_hi = jnp.minimum(q_lo + block_q, Tq)
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_lo, block_q), head], q_smem,
-                            smem["q_loaded"].at[wg])
+    if load_q:
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_lo, block_q), head],
+                              q_smem, smem["q_loaded"].at[wg])
     # This warpgroup's own tiles, clamped into the CTA's.
     w_lo, w_hi = _tile_ranges(mask, q_lo, q_hi, shift, Tk, block_kv)
     if has_segments:
-      my_tile = q_cta * NUM_COMPUTE_WARPGROUPS + wg
+      my_tile = it["q_cta"] * NUM_COMPUTE_WARPGROUPS + wg
       w_lo = jnp.maximum(w_lo, seg_ref[batch, my_tile, 0])
       w_hi = jnp.minimum(w_hi, seg_ref[batch, my_tile, 1])
     w_lo = jnp.clip(w_lo, t_lo, t_hi)
@@ -542,7 +608,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                             plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), reduced)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), reduced)
-    # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0.
+    # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0. Each
+    # warpgroup syncs 2 * tiles + 1 times per item, so the persistent kernel
+    # starts every item with the two in the same state as a fresh CTA.
     pl.when(wg == 1)(schedule_sync)
     lax.fori_loop(t_lo, w_lo, skip_step, None)
 
@@ -557,6 +625,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     pl.when(wg == 0)(schedule_sync)
     acc, m, l = carry
+    if next_q is not None and separate_o:
+      # Every QK^T of this item has completed (its scores were read), so the
+      # next item's q may land while this one's epilogue runs.
+      pl.when(next_q[0])(next_q[1])
 
     if has_sinks:
       # The sink joins the denominator as one more (raw, natural-log) logit.
@@ -584,18 +656,29 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           jnp.int32, (block_q,), 0, layout=reduced) < Tq
       empty_lse = -jnp.inf if sink is None else sink
       lse = jnp.where(row_ok, lse, empty_lse)
-    q_smem[...] = o.astype(dtype)
+    o_smem = q_smem
+    if next_q is not None:
+      if separate_o:
+        o_smem = smem["o"].at[wg]
+      # The previous item's o / lse stores must have read the staging tiles.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = o.astype(dtype)
     lse_smem = smem["lse"].at[wg]
     lse_smem[...] = lse
     plgpu.commit_smem()
     # TMA drops the rows past Tq.
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
-    plgpu.wait_smem_to_gmem(0)
+    if next_q is None:
+      plgpu.wait_smem_to_gmem(0)
+    elif not separate_o:
+      # o was staged in the q tile: the next q may land once the store read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(next_q[0])(next_q[1])
 
-  @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
-  def _producer():
-    plgpu.set_max_registers(config.producer_registers, action="decrease")
+  def produce_item(it, slot_of, g0):
+    """The K/V tiles of one item; ``g0`` as in ``slot_fn`` (None: one item per CTA)."""
+    batch, kv_head, t_lo, t_hi = it["batch"], it["kv_head"], it["t_lo"], it["t_hi"]
 
     def load(t, slot):
       rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
@@ -604,26 +687,121 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
                               smem["v_loaded"].at[slot])
 
-    for i in range(stages):
-      pl.when(t_lo + i < t_hi)(functools.partial(load, t_lo + i, i))
+    if g0 is None:
+      for i in range(stages):
+        pl.when(t_lo + i < t_hi)(functools.partial(load, t_lo + i, i))
 
-    @pl.loop(t_lo + stages, t_hi)
-    def _refill(t):
+      @pl.loop(t_lo + stages, t_hi)
+      def _refill(t):
+        slot = slot_of(t)
+        rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
+        plgpu.barrier_wait(smem["k_free"].at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
+                                smem["k_loaded"].at[slot])
+        plgpu.barrier_wait(smem["v_free"].at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
+                                smem["v_loaded"].at[slot])
+      return
+
+    @pl.loop(t_lo, t_hi)
+    def _stream(t):
+      # The CTA's first ``stages`` tiles fill empty slots; every later one
+      # waits for the release of the tile ``stages`` before it (which may
+      # belong to the previous item).
       slot = slot_of(t)
+      reuse = g0 + (t - t_lo) >= stages
       rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
-      plgpu.barrier_wait(smem["k_free"].at[slot])
+
+      @pl.when(reuse)
+      def _():
+        plgpu.barrier_wait(smem["k_free"].at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
                               smem["k_loaded"].at[slot])
-      plgpu.barrier_wait(smem["v_free"].at[slot])
+
+      @pl.when(reuse)
+      def _():
+        plgpu.barrier_wait(smem["v_free"].at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
                               smem["v_loaded"].at[slot])
 
+  def drain_ring(g_lo, g_hi, slot_of):
     # Observe the last release of every slot: the interpreter requires every
     # phase of a waited barrier to be waited on. Nothing on the GPU needs it
     # (``common.DRAIN_BARRIERS`` turns it off there, to time it).
     if drain:
-      @pl.loop(jnp.maximum(t_hi - stages, t_lo), t_hi)
+      @pl.loop(jnp.maximum(g_hi - stages, g_lo), g_hi)
       def _drain(t):
         slot = slot_of(t)
         plgpu.barrier_wait(smem["k_free"].at[slot])
         plgpu.barrier_wait(smem["v_free"].at[slot])
+
+  if not config.persistent:
+    q_cta = common.grid_index("q_tiles", num_q_ctas, config.reverse_q_tiles)
+    head = lax.axis_index("heads")
+    batch = lax.axis_index("batch")
+    it = setup(head, q_cta, batch)
+    slot_of = slot_fn(it, None)
+
+    @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
+    def _compute():
+      plgpu.set_max_registers(config.compute_registers, action="increase")
+      compute_item(it, slot_of, load_q=True)
+
+    @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
+    def _producer():
+      plgpu.set_max_registers(config.producer_registers, action="decrease")
+      produce_item(it, slot_of, None)
+      drain_ring(it["t_lo"], it["t_hi"], slot_of)
+    return
+
+  # Persistent: items cta, cta + num_ctas, ... (num_ctas <= items, so >= 1 each).
+  cta = lax.axis_index("cta")
+  num_items = num_heads * num_q_ctas * batch_size
+  n_local = lax.div(num_items - 1 - cta, jnp.asarray(num_ctas, cta.dtype)) + 1
+
+  def item_of(i):
+    # The grid's order: heads fastest, then query tiles, then batch.
+    head = lax.rem(i, jnp.asarray(num_heads, i.dtype))
+    rest = lax.div(i, jnp.asarray(num_heads, i.dtype))
+    q_idx = lax.rem(rest, jnp.asarray(num_q_ctas, i.dtype))
+    batch = lax.div(rest, jnp.asarray(num_q_ctas, i.dtype))
+    q_cta = (num_q_ctas - 1 - q_idx) if config.reverse_q_tiles else q_idx
+    return head, q_cta, batch
+
+  def item_index(step):
+    return cta + step * num_ctas
+
+  @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
+  def _compute_persistent():
+    plgpu.set_max_registers(config.compute_registers, action="increase")
+
+    def issue_q(i):
+      head, q_cta, batch = item_of(i)
+      q_lo = q_cta * cta_rows + wg * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_lo, block_q), head],
+                              smem["qo"].at[wg], smem["q_loaded"].at[wg])
+
+    issue_q(item_index(0))
+
+    def item(step, g):
+      i = item_index(step)
+      it = setup(*item_of(i))
+      compute_item(it, slot_fn(it, g), load_q=False,
+                   next_q=(step + 1 < n_local,
+                           functools.partial(issue_q, i + num_ctas)))
+      return g + (it["t_hi"] - it["t_lo"])
+
+    lax.fori_loop(0, n_local, item, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
+  def _producer_persistent():
+    plgpu.set_max_registers(config.producer_registers, action="decrease")
+
+    def item(step, g):
+      it = setup(*item_of(item_index(step)))
+      produce_item(it, slot_fn(it, g), g)
+      return g + (it["t_hi"] - it["t_lo"])
+
+    g_end = lax.fori_loop(0, n_local, item, jnp.int32(0))
+    drain_ring(0, g_end, lambda g: lax.rem(g, stages))

@@ -1,0 +1,240 @@
+"""Tests of the persistent forward kernel (``ForwardConfig(persistent=True)``).
+
+The persistent kernel launches ``min(num_sms, work items)`` CTAs that loop over
+work items (head, query tile, batch) with the K/V ring running on across
+items. Interpret-mode tests force a small ``num_sms`` so every CTA does several
+items, and check against the reference, for races, and bitwise against the
+one-item-per-CTA kernel (the per-item math is the same instructions). The
+output staging is tested both ways: apart from q (``separate o``) and in the
+q tile (``o in q``), see ``forward.PERSISTENT_SEPARATE_O``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flash3.kernels import forward as fw
+from flash3.kernels.config import (ForwardConfig, SMEM_LIMIT_BYTES,
+                                   forward_smem_bytes, persistent_separate_o)
+from flash3.kernels.forward import attention_forward
+from flash3.visibility import MaskSpec
+
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _opts, _packed,
+                                 assert_matches, assert_matches_opts, make_qkv,
+                                 run_interpret_opts)
+
+W = MaskSpec
+
+
+def _cfg(block_kv=64, num_stages=2, num_sms=3, **kw):
+  return ForwardConfig(block_kv=block_kv, num_stages=num_stages,
+                       persistent=True, num_sms=num_sms, **kw)
+
+
+def _run(q, k, v, *, mask, config, separate_o, detect_races=True, scale=None,
+         **opts):
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  old = fw.PERSISTENT_SEPARATE_O
+  fw.PERSISTENT_SEPARATE_O = separate_o
+  try:
+    return run_interpret_opts(q, k, v, scale=scale, mask=mask, config=config,
+                              detect_races=detect_races, **opts)
+  finally:
+    fw.PERSISTENT_SEPARATE_O = old
+
+
+# ----------------------------------------------------------------------------
+# Config (CPU, fast)
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("persistent", 1), ("num_sms", 0),
+                                         ("num_sms", 1.5), ("num_sms", 5000)])
+def test_config_rejects_bad_persistent_fields(field, value):
+  with pytest.raises(ValueError, match=field):
+    ForwardConfig(**{field: value})
+
+
+def test_separate_o_only_when_it_fits():
+  # D=128, 128-key tiles, 2 stages: 160 KiB + 32 KiB more for o fits on the GPU.
+  c = _cfg(block_kv=128, num_stages=2)
+  assert persistent_separate_o(c, 128, 2)
+  assert forward_smem_bytes(c, 128, 2) + 2 * 64 * 128 * 2 <= SMEM_LIMIT_BYTES
+  # D=128 with 3 stages, or D=256, leave no room: o is staged in the q tile.
+  assert not persistent_separate_o(_cfg(block_kv=128, num_stages=3), 128, 2)
+  assert not persistent_separate_o(_cfg(block_kv=64, num_stages=2), 256, 2)
+
+
+# ----------------------------------------------------------------------------
+# Interpret mode: several work items per CTA
+# ----------------------------------------------------------------------------
+
+PERSISTENT_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, config, separate_o
+    ("gqa-ragged", 2, 200, 333, 4, 2, 64, jnp.bfloat16, NO_MASK, _cfg(), None),
+    ("gqa-ragged-o-in-q", 2, 200, 333, 4, 2, 64, jnp.float16, NO_MASK, _cfg(), False),
+    ("d128-f16", 1, 130, 250, 2, 1, 128, jnp.float16, NO_MASK,
+     _cfg(block_kv=128, num_sms=2), True),
+    ("d128-bf16-o-in-q", 1, 130, 250, 2, 1, 128, jnp.bfloat16, NO_MASK,
+     _cfg(block_kv=128, num_sms=2), False),
+    ("3-stages", 1, 250, 520, 3, 1, 64, jnp.bfloat16, NO_MASK,
+     _cfg(num_stages=3, num_sms=2), None),
+    ("1-stage", 2, 64, 200, 2, 2, 64, jnp.float16, NO_MASK,
+     _cfg(num_stages=1, num_sms=2), None),
+    ("one-key-tile", 3, 100, 8, 2, 1, 64, jnp.bfloat16, NO_MASK, _cfg(num_sms=2), None),
+    ("d96-padded", 1, 129, 100, 3, 3, 96, jnp.float16, NO_MASK, _cfg(num_sms=2), None),
+    ("causal-br-reverse", 1, 330, 333, 2, 1, 64, jnp.bfloat16, CAUSAL_BR,
+     _cfg(reverse_q_tiles=True), None),
+    ("causal-tl", 2, 200, 130, 1, 1, 64, jnp.float16, CAUSAL_TL, _cfg(num_sms=2), False),
+    # Rows >= 100 see nothing: items with no key tile at all in between.
+    ("empty-items", 1, 384, 100, 2, 1, 64, jnp.bfloat16,
+     W(window_left=0, window_right=0), _cfg(num_sms=2), None),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c[0] for c in PERSISTENT_CASES])
+def test_interpret_persistent_matches_reference_no_races(case):
+  _, B, Tq, Tk, N, K, D, dtype, mask, config, separate_o = case
+  q, k, v = make_qkv(jax.random.key(Tq * 7 + Tk), B, Tq, Tk, N, K, D, dtype)
+  items = N * B * -(-Tq // 128)
+  assert items >= 2 * min(config.num_sms, items), "want several items per CTA"
+  o, lse = _run(q, k, v, mask=mask, config=config, separate_o=separate_o)
+  assert not interpret_pallas_call.get_races().races_found
+  assert o.shape == q.shape and lse.shape == (B, N, Tq)
+  assert_matches(o, lse, q, k, v, scale=D ** -0.5, mask=mask)
+  # Same per-item instructions as the one-item-per-CTA kernel: same bits.
+  o1, lse1 = run_interpret_opts(q, k, v, scale=D ** -0.5, mask=mask,
+                                config=dataclasses.replace(config, persistent=False))
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o1, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+
+
+PERSISTENT_OPTION_CASES = [
+    # id, B, Tq, Tk, N, K, D, dtype, mask, options
+    ("len", 3, 150, 200, 2, 1, 64, jnp.bfloat16, NO_MASK,
+     dict(q_lengths=[150, 37, 0], kv_lengths=[101, 200, 5])),
+    ("cap-sinks-len-br", 2, 130, 200, 2, 2, 64, jnp.float16, CAUSAL_BR,
+     dict(softcap=5.0, sinks=[0.5, -1.0], q_lengths=[100, 130], kv_lengths=[150, 31])),
+    ("segments", 2, 200, 260, 2, 1, 64, jnp.bfloat16, NO_MASK,
+     dict(segments=([[50, 150], [200]], [[80, 100, 80], [260]]))),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", PERSISTENT_OPTION_CASES,
+                         ids=[c[0] for c in PERSISTENT_OPTION_CASES])
+def test_interpret_persistent_options(case):
+  _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
+  opts = dict(opts)
+  segs = opts.pop("segments", None)
+  opts = _opts(opts)
+  if segs is not None:
+    opts["q_segment_ids"] = _packed(segs[0], Tq)
+    opts["kv_segment_ids"] = _packed(segs[1], Tk)
+  q, k, v = make_qkv(jax.random.key(Tq + 5 * Tk), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  config = _cfg(num_sms=2)
+  o, lse = _run(q, k, v, mask=mask, config=config, separate_o=None, scale=scale,
+                **opts)
+  assert not interpret_pallas_call.get_races().races_found
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+  o1, lse1 = run_interpret_opts(q, k, v, scale=scale, mask=mask,
+                                config=dataclasses.replace(config, persistent=False),
+                                **opts)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o1, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+
+
+# ----------------------------------------------------------------------------
+# Lowering for the GPU (on the CPU): catches Mosaic GPU lowering errors
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("D,dtype,config,separate_o", [
+    (64, jnp.bfloat16, _cfg(block_kv=128, num_stages=4, num_sms=132), None),
+    (128, jnp.bfloat16, _cfg(block_kv=128, num_stages=2, num_sms=132), None),
+    (128, jnp.float16, _cfg(block_kv=128, num_stages=2, num_sms=132), False),
+    (256, jnp.bfloat16, _cfg(block_kv=64, num_stages=2, num_sms=132), None),
+])
+def test_persistent_lowers_for_the_gpu(D, dtype, config, separate_o):
+  q, k, v = make_qkv(jax.random.key(0), 2, 1000, 1100, 4, 2, D, dtype)
+  old = fw.PERSISTENT_SEPARATE_O
+  fw.PERSISTENT_SEPARATE_O = separate_o
+  try:
+    f = lambda q, k, v: attention_forward(q, k, v, scale=0.1, mask=NO_MASK,
+                                          config=config)
+    text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    fw.PERSISTENT_SEPARATE_O = old
+  assert "mosaic_gpu" in text
+
+
+def test_persistent_with_options_lowers_for_the_gpu():
+  q, k, v = make_qkv(jax.random.key(0), 2, 200, 300, 2, 1, 128, jnp.bfloat16)
+  ids = _packed([[50, 150], [200]], 200), _packed([[80, 220], [300]], 300)
+  f = lambda q, k, v: attention_forward(
+      q, k, v, scale=0.1, mask=CAUSAL_BR, config=_cfg(block_kv=128),
+      q_segment_ids=ids[0], kv_segment_ids=ids[1], softcap=5.0,
+      sinks=jnp.array([0.1, 0.2]), q_lengths=jnp.array([200, 100], jnp.int32))
+  text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------
+# GPU (H100/H200)
+# ----------------------------------------------------------------------------
+
+GPU_CASES = [
+    # B, Tq, Tk, N, K, D, dtype, mask, block_kv, num_stages
+    (2, 4096, 4096, 16, 16, 128, jnp.bfloat16, NO_MASK, 128, 2),
+    (1, 1000, 1100, 8, 2, 128, jnp.float16, NO_MASK, 128, 2),
+    (3, 777, 2049, 4, 1, 64, jnp.bfloat16, NO_MASK, 128, 4),
+    (2, 4096, 4096, 32, 8, 64, jnp.float16, NO_MASK, 256, 3),
+    (2, 1023, 1024, 8, 8, 256, jnp.bfloat16, NO_MASK, 64, 2),
+    (1, 2048, 2048, 8, 2, 128, jnp.bfloat16, CAUSAL_BR, 128, 2),
+    (1, 300, 5, 4, 4, 64, jnp.bfloat16, NO_MASK, 128, 2),
+]
+
+
+def _gpu_id(c):
+  B, Tq, Tk, N, K, D, dt, mask, bk, st = c
+  m = "causal" if mask.causal else "none"
+  return f"B{B}-T{Tq}x{Tk}-N{N}K{K}-D{D}-{jnp.dtype(dt).name}-{m}-bk{bk}s{st}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_sms", [132, 7])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
+def test_gpu_persistent_matches_reference_and_grid_kernel(case, num_sms):
+  B, Tq, Tk, N, K, D, dtype, mask, bk, st = case
+  q, k, v = make_qkv(jax.random.key(Tq + Tk + D), B, Tq, Tk, N, K, D, dtype)
+  config = _cfg(block_kv=bk, num_stages=st, num_sms=num_sms)
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
+  o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask,
+                               config=dataclasses.replace(config, persistent=False))
+  # The per-item instructions are the grid kernel's: bitwise equal.
+  assert bool(jnp.all(o == o1)), "o differs from the grid kernel"
+  assert bool(jnp.all(lse == lse1)), "lse differs from the grid kernel"
+  if B * Tq * Tk * N <= 2 * 1024 * 1024 * 8:
+    assert_matches(o, lse, q, k, v, scale=D ** -0.5, mask=mask)
+  else:  # Keep the float32 reference small: check one batch row and head.
+    sl = (slice(0, 1), slice(None), slice(0, 1))
+    assert_matches(o[sl], lse[:1, :1], q[sl], k[sl[:2] + (slice(0, 1),)],
+                   v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_options():
+  B, Tq, Tk, N, K, D = 3, 1000, 1200, 4, 2, 128
+  q, k, v = make_qkv(jax.random.key(5), B, Tq, Tk, N, K, D, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[1000, 333, 0], kv_lengths=[1200, 901, 64],
+                    softcap=20.0, sinks=[0.5, -0.5, 1.0, 0.0]))
+  config = _cfg(block_kv=128, num_stages=2, num_sms=132)
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=CAUSAL_BR,
+                             config=config, **opts)
+  assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=CAUSAL_BR, **opts)
