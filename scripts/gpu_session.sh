@@ -12,7 +12,8 @@
 # serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
 # (STEPS steps, packed documents), mgpu_tests, mgpu_bench (both GPUs),
-# testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd (config sweeps).
+# testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd (config sweeps;
+# TUNE_ARGS adds scripts/tune.py arguments, e.g. "--causal 0 --persistent 0 1").
 # Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
 # every stage, so a cut-off run still returns what it did.
 set -uo pipefail
@@ -72,7 +73,7 @@ run_stage() {  # run_stage NAME GPU
         --attention "$impl" $extra --seed 0 --steps "$STEPS" --no-progress --out "$R/train/$impl" ;;
     tune_fwd|tune_bwd)  # config sweeps against cuDNN (scripts/tune.py)
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "${1#tune_}" \
-        --jobs ${TUNE_JOBS:-10} --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;
+        --jobs ${TUNE_JOBS:-10} ${TUNE_ARGS:-} --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;
     mgpu_tests) shared stage mgpu_tests 200 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu \
                   -rfE tests/test_multi_gpu.py ;;
     mgpu_bench) stage mgpu_bench ${MGPU_BUDGET:-260} "$g" python3 scripts/bench_multi_gpu.py \

@@ -37,7 +37,8 @@ def _init(lock):
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def _fwd_candidates(D, causal, persistent=(False,), num_sms=132):
+def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
+                    block_kvs=(64, 128, 192, 256), stages=(2, 3, 4)):
   """Forward configs that fit; ``persistent`` lists the values of that field to sweep.
 
   Persistent variants stage o apart from q where shared memory allows
@@ -45,7 +46,7 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132):
   """
   from flash3.kernels.config import ForwardConfig, check_fits
   out = []
-  for bk, st in itertools.product((64, 128, 192, 256), (2, 3, 4)):
+  for bk, st in itertools.product(block_kvs, stages):
     c = ForwardConfig(block_kv=bk, num_stages=st)
     try:
       check_fits(c, D, 2)
@@ -159,6 +160,10 @@ def main():
                   help="fwd: values of ForwardConfig.persistent to sweep (0 1 for both)")
   ap.add_argument("--num-sms", type=int, default=132,
                   help="fwd: CTAs of the persistent kernel (132 SMs on an H200)")
+  ap.add_argument("--block-kv", type=int, nargs="+", default=[64, 128, 192, 256],
+                  help="fwd: values of block_kv to sweep")
+  ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4],
+                  help="fwd: values of num_stages to sweep")
   ap.add_argument("--jobs", type=int, default=8)
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--time-budget", type=float, default=300)
@@ -169,7 +174,8 @@ def main():
   tasks = []
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
     if args.what == "fwd":
-      cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms)
+      cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
+                              tuple(args.block_kv), tuple(args.stages))
     else:
       cands = _bwd_candidates(D, bool(causal))
     tasks += [(args.what, args.dtype, D, T, bool(causal), c, args.iterations) for c in cands]

@@ -57,7 +57,25 @@ def test_cudnn_packed_lengths_and_offsets():
   seg = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
   seqlen, offsets = attention_lib._packed_lengths_offsets(seg, max_segments=4)
   np.testing.assert_array_equal(seqlen, [[3, 2, 3, -1], [8, -1, -1, -1]])
-  np.testing.assert_array_equal(offsets, [[0, 3, 5, 8, -1], [0, 8, -1, -1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
+
+
+def test_cudnn_packed_layout_pairs_every_segment_with_its_start():
+  # What jax's cuDNN wrapper makes of our arrays: one list of segment lengths and one of
+  # global token offsets, which must pair up (an end marker per row shifted later rows).
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+  seg = jnp.array([[1, 1, 1, 2, 2, 3, 3, 3], [1, 1, 1, 1, 2, 2, 2, 2],
+                   [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+  seqlen, offsets = attention_lib._packed_lengths_offsets(seg, max_segments=4)
+  B, T, N, K, D = 3, 8, 1, 1, 1
+  x = jnp.zeros((B, T, N, D))
+  lens, _, offs, _ = cudnn_fa._fix_seqlen_offsets(seqlen, seqlen, offsets, offsets, x, x)
+  lens, offs = np.asarray(lens).ravel(), np.asarray(offs).ravel()
+  np.testing.assert_array_equal(lens[:6], [3, 2, 3, 4, 4, 8])
+  np.testing.assert_array_equal(offs[:6], [0, 3, 5, 8, 12, 16])
+  # Each segment ends where the next one starts, and the last one at B * T.
+  np.testing.assert_array_equal(offs[:5] + lens[:5], offs[1:6])
+  assert offs[5] + lens[5] == B * T
 
 
 def _losses(out):

@@ -66,8 +66,10 @@ def _xla(q, k, v, segment_ids):
 def _packed_lengths_offsets(segment_ids, max_segments: int):
   """cuDNN's packed layout from segment ids numbered 1..m, contiguous within each row.
 
-  Returns seqlen int32[B, M] and offsets int32[B, M + 1], padded with -1 past the m-th
-  segment (offsets[m] = T marks the end), as jax's cuDNN wrapper documents them.
+  Returns seqlen int32[B, M] and offsets int32[B, M + 1]: the lengths and the start of
+  each of a row's m segments, padded with -1 (no end marker: jax's wrapper flattens the
+  non-negative entries of all rows into one list that must pair with the lengths, so an
+  end marker would shift every later row's segments; B = 8 gave NaN on the H200).
   """
   B, T = segment_ids.shape
   ids = jnp.arange(1, max_segments + 1, dtype=jnp.int32)
@@ -75,7 +77,7 @@ def _packed_lengths_offsets(segment_ids, max_segments: int):
   num = jnp.max(segment_ids, axis=1, keepdims=True)
   seqlen = jnp.where(ids[None, :] <= num, counts, -1)
   starts = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)
-  offsets = jnp.where(jnp.arange(max_segments + 1)[None, :] <= num, starts, -1)
+  offsets = jnp.where(jnp.arange(max_segments + 1)[None, :] < num, starts, -1)
   return seqlen, offsets
 
 

@@ -2,8 +2,8 @@
 
   python -m examples.train_gpt.probe flash3|cudnn
 
-Runs causal GQA attention with two documents per row, forward and backward, at a small
-size (B=1, T=256, N=8, K=2, D=128, bfloat16); flash3 with implementation="mosaic", so a
+Runs causal GQA attention with two and three documents in two rows, forward and backward,
+at a small size (B=2, T=256, N=8, K=2, D=128, bfloat16); flash3 with implementation="mosaic", so a
 fallback to XLA counts as "no". Used by scripts/gpu_train.sh to choose whether both runs
 use segment ids before spending minutes on a run that would fail.
 """
@@ -18,10 +18,13 @@ from . import attention as attention_lib
 
 def main() -> int:
   impl = sys.argv[1]
-  B, T, N, K, D = 1, 256, 8, 2, 128
+  B, T, N, K, D = 2, 256, 8, 2, 128
   q, k, v = (jax.random.normal(jax.random.key(i), (B, T, h, D), jnp.bfloat16)
              for i, h in enumerate((N, K, K)))
-  seg = jnp.where(jnp.arange(T) < 100, 1, 2)[None].astype(jnp.int32)
+  # Two rows with different splits: one row alone hides a packed-layout offset error.
+  pos = jnp.arange(T)
+  seg = jnp.stack([jnp.where(pos < 100, 1, 2),
+                   1 + (pos >= 60) + (pos >= 180)]).astype(jnp.int32)
 
   def loss(q, k, v):
     o = attention_lib.attend(q, k, v, seg, impl, max_segments=4,
