@@ -215,6 +215,8 @@ def test_parse_defaults_and_quick():
   args = cli.parse([])
   assert args.suite == "fa3" and args.iterations == 10 and not args.no_tune
   assert args.modes == ("fwd", "fwd+bwd") and args.out == "bench-results"
+  assert args.compile_jobs == 8 and runner.Options().compile_jobs == 8
+  assert cli.parse(["--compile-jobs", "1"]).compile_jobs == 1
   quick = cli.parse(["--quick"])
   assert quick.iterations == cli.QUICK_ITERATIONS and quick.no_tune
   args = cli.parse(["--shape", "B=1,T=256,N=4,D=64", "--window", "16,0",
@@ -242,7 +244,9 @@ def test_seqlens_and_head_dims_filter_a_suite():
                                   ["--list", "--shape", "B=2,T=64,N=4,D=64", "--docs", "0"],
                                   ["--list", "--shard", "2/2"],
                                   ["--list", "--shard", "1"],
-                                  ["--list", "--shard", "0/0"]])
+                                  ["--list", "--shard", "0/0"],
+                                  ["--list", "--compile-jobs", "0"],
+                                  ["--list", "--compile-jobs", "two"]])
 def test_bad_arguments_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
@@ -654,7 +658,8 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
 
   def fake_measure(fn, args, iterations, warmup):
     calls.append(iterations)
-    mode = "fwd" if len(jax.eval_shape(fn, *args)) == 1 else "fwd+bwd"
+    # fn is a compiled executable (no eval_shape); one output for "fwd".
+    mode = "fwd" if len(fn(*args)) == 1 else "fwd+bwd"
     return timing.Timing(tuple([clock[mode]] * iterations))
 
   monkeypatch.setattr(timing, "measure", fake_measure)
@@ -734,6 +739,121 @@ def test_time_budget_is_a_deadline_judged_by_the_longest_case(monkeypatch,
   assert [r.q_len for r in rows] == [16, 32]
   assert "1 cases not run" in capsys.readouterr().err
   assert len(lines) == 2 and "case 1/3" in lines[0] and "10.0 s" in lines[0]
+  # The split: the fake clock only moves while timing.
+  assert "(reference 0.0 s, compile 0.0 s, run 10.0 s; 10 s in all)" in lines[0]
+
+
+def _no_such_kernel(q, k, v):
+  """Traces and lowers, but no compiler has this custom call: fails in
+  ``.compile()`` itself. (Its inputs stop gradients, as an FFI call has no
+  derivative; ``0 * q`` gives the backward something to differentiate; a
+  side effect keeps the call in the backward, which drops the output.)"""
+  call = jax.ffi.ffi_call("flash3_no_such_kernel",
+                          jax.ShapeDtypeStruct(q.shape, q.dtype),
+                          has_side_effect=True)
+  return call(*map(jax.lax.stop_gradient, (q, k, v))) + 0 * q
+
+
+def _parallel_contenders():
+  xla = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, is_causal=True, implementation="xla")
+
+  def crashes(q, k, v):
+    raise NotImplementedError("head_dim 32 is not supported")
+
+  def tuned(case, tune):
+    # The first variant fails to compile, the second is slower (its aux
+    # argument costs 1 ms in the fake timing below), the third is the best.
+    return [impls.Variant("broken", _no_such_kernel),
+            impls.Variant("slow", lambda q, k, v, extra: xla(q, k, v),
+                          (jnp.zeros(3),)),
+            impls.Variant("fast", xla)]
+
+  return [
+      _stand_in("cudnn", xla),
+      impls.Implementation("tuned", "tuned", lambda: None, tuned),
+      _stand_in("broken", _no_such_kernel),
+      _stand_in("wrong", lambda q, k, v: xla(q, k, v) * 1.1),
+      _stand_in("crashes", crashes),
+      _stand_in("refuses", raise_at_build="float16 only"),
+      _stand_in("absent", unavailable="import failed"),
+  ]
+
+
+def _fields(rows):
+  return [(r.impl, r.mode, r.status, r.variant, r.reason, r.median_ms)
+          for r in rows]
+
+
+@pytest.mark.parametrize("jobs", [1, 4])
+def test_parallel_compile_gives_the_serial_results(jobs, monkeypatch):
+  import threading
+  events = []
+  compile_function = runner.compile_function
+
+  def recording_compile(variant, mode, args):
+    events.append(("compile", threading.current_thread().name))
+    return compile_function(variant, mode, args)
+
+  def fake_measure(fn, args, iterations, warmup):
+    events.append(("measure", threading.current_thread().name))
+    return timing.Timing((1.0 + len(args) - 4,) * iterations)
+
+  monkeypatch.setattr(runner, "compile_function", recording_compile)
+  monkeypatch.setattr(timing, "measure", fake_measure)
+  case = Case("t", 1, 64, 64, 2, 2, 32, "bfloat16", causal=True)
+  lines = []
+  rows = runner.run([case], _parallel_contenders(),
+                    runner.Options(iterations=2, compile_jobs=jobs),
+                    log=lines.append)
+  got = {(r.impl, r.mode): r for r in rows}
+  for mode in ("fwd", "fwd+bwd"):
+    assert got[("tuned", mode)].status == "ok"
+    assert got[("tuned", mode)].variant == "fast"
+    assert got[("tuned", mode)].median_ms == 1.0
+    broken = got[("broken", mode)]
+    assert broken.status == "unsupported"
+    assert broken.reason.startswith("JaxRuntimeError: ")
+    assert "flash3_no_such_kernel" in broken.reason
+    assert got[("wrong", mode)].status == "wrong"
+    assert got[("crashes", mode)].reason == (
+        "NotImplementedError: head_dim 32 is not supported")
+    assert got[("refuses", mode)].reason == "Unsupported: float16 only"
+    assert got[("absent", mode)].status == "unavailable"
+  # cudnn, tuned x3, broken, wrong, crashes; both modes.
+  compiles = [name for kind, name in events if kind == "compile"]
+  assert len(compiles) == 2 * 7
+  measures = [i for i, (kind, _) in enumerate(events) if kind == "measure"]
+  assert len(measures) == 2 * 3  # cudnn, tuned slow and fast.
+  assert all(name == "MainThread" for kind, name in events
+             if kind == "measure")
+  if jobs == 1:  # Each compiled just before it runs, on the main thread.
+    assert set(compiles) == {"MainThread"}
+    assert events[0][0] == "compile" and events[1][0] == "measure"
+  else:  # All compiled in the pool before anything is timed.
+    assert all(n.startswith("flash3-bench-compile") for n in compiles)
+    assert measures[0] == len(compiles)
+  assert "compile " in lines[0] and "run " in lines[0]
+  if jobs == 4:
+    serial = runner.run([case], _parallel_contenders(),
+                        runner.Options(iterations=2, compile_jobs=1))
+    assert _fields(rows) == _fields(serial)
+
+
+def test_compile_jobs_reach_the_runner(monkeypatch, tmp_path):
+  seen = []
+
+  def fake_run(cases, impls_, options, **kwargs):
+    seen.append(options)
+    return []
+
+  monkeypatch.setattr(cli, "hopper_problem", lambda: None)
+  monkeypatch.setattr(runner, "run", fake_run)
+  argv = ["--shape", "B=1,T=64,N=2,D=64", "--impls", "xla", "--no-plots",
+          "--no-progress", "--out", str(tmp_path)]
+  assert cli.main(argv + ["--compile-jobs", "3"]) == 0
+  assert cli.main(argv) == 0
+  assert [o.compile_jobs for o in seen] == [3, 8]
 
 
 def test_select_implementations():

@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
   p.add_argument("--no-tune", action="store_true",
                  help="one block size per contender instead of the best")
+  p.add_argument("--compile-jobs", type=_positive_int, default=8, metavar="N",
+                 help="compile a case's functions N at a time in threads "
+                      "before checking and timing them one by one, alone on "
+                      "the GPU (default 8; 1 compiles each just before it "
+                      "runs, keeping one executable at a time)")
   p.add_argument("--out", default="bench-results",
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
@@ -339,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
   from flash3.bench import report, runner
   env = report.environment(argv)
   options = runner.Options(iterations=args.iterations, warmup=args.warmup,
-                           tune=not args.no_tune, modes=tuple(args.modes))
+                           tune=not args.no_tune, modes=tuple(args.modes),
+                           compile_jobs=args.compile_jobs)
   os.makedirs(args.out, exist_ok=True)
   partial = os.path.join(args.out, "results.json")
   progress = _progress(args.no_progress)

@@ -1,20 +1,24 @@
 """Runs every case on every contender, in one process, and never crashes.
 
 For each case: random inputs, the reference on its check slices (one
-compiled program for all modes, shared by all contenders), then for each
-contender and each variant: compile and run once, check against the reference
-(a wrong result is reported and not timed), time with CUPTI. A contender's
-best variant (lowest median) is its result. Whatever a contender raises
-becomes an "unsupported" row with the reason.
+compiled program for all modes, shared by all contenders), then every
+(mode, contender, variant) function is compiled, ``compile_jobs`` at a time in
+threads (XLA and Mosaic GPU compile in C++ without the GIL, and compiling is
+nearly all of a case's wall time), then one by one, alone on the GPU: run once,
+check against the reference (a wrong result is reported and not timed), time
+with CUPTI. A contender's best variant (lowest median) is its result.
+Whatever a contender raises (building, tracing, compiling or running) becomes
+an "unsupported" row with the reason.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import sys
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +38,19 @@ class Options:
   warmup: int = 2
   tune: bool = True  # Try every variant (block sizes) of a contender.
   modes: tuple[str, ...] = MODES
+  # Functions of a case compiled at once, in threads, before any is run;
+  # 1 compiles each just before running it (one executable alive at a time).
+  compile_jobs: int = 8
+
+
+@dataclasses.dataclass
+class CaseTimes:
+  """Wall seconds of a case's phases (compile: the parallel phase's wall, or
+  the sum of the compiles with compile_jobs=1; run: checks and timings)."""
+
+  reference: float = 0.0
+  compile: float = 0.0
+  run: float = 0.0
 
 
 def short_reason(e: BaseException, limit: int = 300) -> str:
@@ -61,15 +78,33 @@ def timed_function(variant: impls.Variant, mode: str) -> Callable:
   return jax.jit(run)
 
 
-def run_variant(case: Case, mode: str, variant: impls.Variant, inputs,
-                expected: reference.Expected, options: Options) -> dict:
-  """Check then time one variant. Returns fields for a Result."""
+def compile_function(variant: impls.Variant, mode: str, args: tuple) -> Any:
+  """timed_function compiled for ``args`` (only their shapes and placement
+  matter): a ``jax.stages.Compiled``, called like the function."""
+  return timed_function(variant, mode).lower(*args).compile()
+
+
+def variant_args(variant: impls.Variant, inputs) -> tuple:
+  """The arguments of the timed function: (q, k, v, do, *aux), q scaled by
+  the variant's q_scale (a new device array only when it is not 1)."""
   q, k, v, do = inputs
   if variant.q_scale != 1.0:
     q = (q.astype(jnp.float32) * variant.q_scale).astype(q.dtype)
-  args = (q, k, v, do, *variant.aux)
-  fn = timed_function(variant, mode)
+  return (q, k, v, do, *variant.aux)
+
+
+def run_variant(case: Case, mode: str, variant: impls.Variant, inputs,
+                expected: reference.Expected, options: Options,
+                fn: Callable | None = None) -> dict:
+  """Check then time one variant. Returns fields for a Result.
+
+  Args:
+    fn: its compiled function (compile_function); compiled here when None.
+  """
+  args = variant_args(variant, inputs)
   try:
+    if fn is None:
+      fn = compile_function(variant, mode, args)
     outputs = jax.block_until_ready(fn(*args))
     passed, ratio, detail = reference.check(case, expected, outputs,
                                             q_grad_scale=variant.q_scale)
@@ -87,12 +122,59 @@ def run_variant(case: Case, mode: str, variant: impls.Variant, inputs,
               tflops=flops_lib.tflops_per_s(flop_count, measured.median))
 
 
+@dataclasses.dataclass
+class _Job:
+  """One (mode, contender, variant) function of a case, and its compilation:
+  ``compiled`` or ``error`` (the short reason) once compiled."""
+
+  mode: str
+  variant: impls.Variant
+  compiled: Any = None
+  error: str | None = None
+
+
+def _compile_job(job: _Job, inputs) -> None:
+  """Compile ``job`` in place; an exception becomes its error. Lowers with
+  the unscaled q, which has the scaled q's shape, dtype and device, so that
+  no input is copied before it is run."""
+  try:
+    job.compiled = compile_function(job.variant, job.mode,
+                                    (*inputs, *job.variant.aux))
+  except Exception as e:  # Tracing or compiling failed: unsupported.
+    job.error = short_reason(e)
+
+
+def compile_all(jobs: list[_Job], inputs, workers: int) -> None:
+  """Compile every job, ``workers`` at a time in threads. Each is a C++
+  compile (XLA, and Mosaic GPU kernels in its custom calls' instantiate
+  stage) after a Python lowering that holds the GIL; nothing runs on the GPU
+  but XLA's autotuning."""
+  if workers <= 1 or len(jobs) <= 1:
+    for job in jobs:
+      _compile_job(job, inputs)
+    return
+  with concurrent.futures.ThreadPoolExecutor(
+      max_workers=min(workers, len(jobs)),
+      thread_name_prefix="flash3-bench-compile") as pool:
+    # _compile_job catches what a compile raises; result() re-raises the rest
+    # (KeyboardInterrupt in a worker, a bug here).
+    for future in [pool.submit(_compile_job, job, inputs) for job in jobs]:
+      future.result()
+
+
 def run_case(case: Case, implementations: list[impls.Implementation],
              options: Options, unavailable: dict[str, str],
-             on_step: Callable[[str], None] = lambda s: None) -> list[Result]:
-  """All contenders on one case, every mode of ``options``."""
-  out = []
+             on_step: Callable[[str], None] = lambda s: None,
+             times: CaseTimes | None = None) -> list[Result]:
+  """All contenders on one case, every mode of ``options``.
+
+  Args:
+    times: gets the wall time of each phase when given.
+  """
+  times = CaseTimes() if times is None else times
+  t0 = time.monotonic()
   q, k, v, do, seg = reference.random_inputs(case)
+  inputs = (q, k, v, do)
   on_step(f"reference {case.label()}")
   try:
     expectations = reference.expected_modes(case, options.modes, q, k, v, do,
@@ -101,29 +183,61 @@ def run_case(case: Case, implementations: list[impls.Implementation],
     return [Result.for_case(case, impl.name, mode, "unsupported",
                             reason="reference failed: " + short_reason(e))
             for mode in options.modes for impl in implementations]
+  finally:
+    times.reference += time.monotonic() - t0
+
+  # Each contender's variants once, for all modes (a dense mask is built once).
+  variants = {}
+  for impl in implementations:
+    if impl.name in unavailable:
+      continue
+    try:
+      variants[impl.name] = impl.variants(case, options.tune)
+    except Exception as e:  # Unsupported, or anything else it raised.
+      variants[impl.name] = short_reason(e)
+  plan = []  # (mode, name, jobs); jobs None for a contender without variants.
   for mode in options.modes:
-    exp = expectations[mode]
     for impl in implementations:
-      on_step(f"{impl.name} {case.label()} {mode}")
-      if impl.name in unavailable:
-        out.append(Result.for_case(case, impl.name, mode, "unavailable",
-                                   reason=unavailable[impl.name]))
-        continue
-      try:
-        variants = impl.variants(case, options.tune)
-      except Exception as e:  # Unsupported, or anything else it raised.
-        out.append(Result.for_case(case, impl.name, mode, "unsupported",
-                                   reason=short_reason(e)))
-        continue
-      best = None
-      for variant in variants:
-        fields = run_variant(case, mode, variant, (q, k, v, do), exp, options)
-        fields["variant"] = variant.label
-        if best is None or _better(fields, best):
-          best = fields
-        gc.collect()
-      out.append(Result.for_case(case, impl.name, mode, **best))
-    del exp
+      found = variants.get(impl.name)
+      jobs = ([_Job(mode, v) for v in found] if isinstance(found, list)
+              else None)
+      plan.append((mode, impl.name, jobs))
+  parallel = options.compile_jobs > 1
+  if parallel:
+    on_step(f"compile {case.label()}")
+    t0 = time.monotonic()
+    compile_all([job for _, _, jobs in plan for job in jobs or ()], inputs,
+                options.compile_jobs)
+    times.compile += time.monotonic() - t0
+
+  out = []
+  for mode, name, jobs in plan:
+    if jobs is None:
+      status, reason = (("unavailable", unavailable[name])
+                        if name in unavailable else
+                        ("unsupported", variants[name]))
+      out.append(Result.for_case(case, name, mode, status, reason=reason))
+      continue
+    on_step(f"{name} {case.label()} {mode}")
+    best = None
+    for job in jobs:
+      if not parallel:  # Compiled just before its run, as it is dropped after.
+        t0 = time.monotonic()
+        _compile_job(job, inputs)
+        times.compile += time.monotonic() - t0
+      t0 = time.monotonic()
+      if job.error is not None:
+        fields = dict(status="unsupported", reason=job.error)
+      else:
+        fields = run_variant(case, mode, job.variant, inputs,
+                             expectations[mode], options, fn=job.compiled)
+      job.compiled = None  # Frees the executable before the next one runs.
+      fields["variant"] = job.variant.label
+      if best is None or _better(fields, best):
+        best = fields
+      gc.collect()
+      times.run += time.monotonic() - t0
+    out.append(Result.for_case(case, name, mode, **best))
   return out
 
 
@@ -156,8 +270,8 @@ def run(cases: Iterable[Case], implementations: list[impls.Implementation],
       tens of seconds each, mostly compiling.
     start: ``time.monotonic()`` when the run began (default: now); the
       command line passes its own start, so imports count too.
-    log: gets one line per case done (its wall time), for runs without a
-      progress bar.
+    log: gets one line per case done (its wall time, split into reference,
+      compile and check+time phases), for runs without a progress bar.
   """
   start = time.monotonic() if start is None else start
   cases = list(cases)
@@ -177,15 +291,18 @@ def run(cases: Iterable[Case], implementations: list[impls.Implementation],
             f"{len(cases) - done} cases not run ({now - start:.0f} s gone, "
             f"the longest case took {longest:.0f} s)", file=sys.stderr)
       break
+    phases = CaseTimes()
     rows += run_case(case, implementations, options, unavailable,
-                     on_step=lambda s: on_step(s[:60]))
+                     on_step=lambda s: on_step(s[:60]), times=phases)
     if checkpoint is not None:
       checkpoint(rows)
     took = time.monotonic() - now
     longest = max(longest, took)
     if log is not None:
       log(f"flash3-bench: case {done + 1}/{len(cases)} {case.label()}: "
-          f"{took:.1f} s ({time.monotonic() - start:.0f} s in all)")
+          f"{took:.1f} s (reference {phases.reference:.1f} s, compile "
+          f"{phases.compile:.1f} s, run {phases.run:.1f} s; "
+          f"{time.monotonic() - start:.0f} s in all)")
   rows += results_lib.derive_backward(rows)
   results_lib.add_ratios(rows, impls.BASELINE)
   return rows

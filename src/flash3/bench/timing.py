@@ -59,10 +59,12 @@ def from_measurement(times: Any, iterations: int) -> Timing:
 
 def measure(fn: Callable, args: tuple, *, iterations: int = 10,
             warmup: int = 2) -> Timing:
-  """Time ``fn(*args)`` (a jitted function) with CUPTI.
+  """Time ``fn(*args)`` with CUPTI.
 
   Args:
-    fn: already compiled or at least called once (compilation is not timed).
+    fn: a ``jax.stages.Compiled`` (the runner's) or a jitted function already
+      called once (compilation is not timed); profiler.measure calls either
+      as it is (it would wrap anything else in jax.jit).
     warmup: extra untimed runs before measuring (profiler.measure adds one).
     iterations: timed runs.
   """
