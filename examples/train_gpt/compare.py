@@ -84,7 +84,7 @@ def main(argv=None) -> None:
   ax_diff.set_xlabel("step")
   ax_diff.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(out / "compare.png", dpi=120)
+  fig.savefig(out / "compare.png", dpi=120, bbox_inches="tight")
   plt.close(fig)
 
 
