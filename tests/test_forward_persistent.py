@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from flash3.kernels import forward as fw
-from flash3.kernels.config import (ForwardConfig, SMEM_LIMIT_BYTES,
-                                   forward_smem_bytes, persistent_separate_o)
+from flash3.kernels.config import (ForwardConfig, SMEM_LIMIT_BYTES, check_fits,
+                                   forward_config, forward_smem_bytes,
+                                   persistent_separate_o)
 from flash3.kernels.forward import attention_forward
 from flash3.visibility import MaskSpec
 
@@ -238,3 +239,21 @@ def test_gpu_persistent_options():
   o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=CAUSAL_BR,
                              config=config, **opts)
   assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=CAUSAL_BR, **opts)
+
+
+@pytest.mark.parametrize("D, mask, kv_len, want", [
+    (64, NO_MASK, 512, True), (128, NO_MASK, 2048, True), (64, NO_MASK, 4096, True),
+    (128, NO_MASK, 4096, False), (256, NO_MASK, 512, False),
+    (64, CAUSAL_BR, 2048, True), (128, CAUSAL_TL, 512, True),
+    (128, CAUSAL_BR, 1024, False), (64, CAUSAL_BR, 4096, False),
+    (64, MaskSpec(window_left=16, window_right=16), 512, False),
+    (128, MaskSpec(causal=True, window_left=100), 512, False),
+])
+def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
+    D, mask, kv_len, want):
+  # docs/benchmarks/h200/2026-12-01/tune.md: short non-causal sequences, and
+  # causal ones at D=64 up to 2048 keys or up to 512 keys otherwise.
+  for interpret in (False, True):
+    config = forward_config(D, jnp.bfloat16, mask, kv_len, kv_len, interpret=interpret)
+    assert config.persistent is want
+    check_fits(config, D, 2, interpret=interpret)

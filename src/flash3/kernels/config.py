@@ -143,6 +143,23 @@ def check_fits(config: ForwardConfig, head_dim: int, itemsize: int,
         "or block_kv")
 
 
+def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
+  """Whether the persistent kernel is the faster default for these arguments.
+
+  Short items (few key tiles per query tile) spend much of a CTA's life in its
+  prologue and epilogue, which the persistent kernel overlaps with the next
+  item. H200 sweep (2026-12-01, docs/benchmarks/h200/2026-12-01/tune.md):
+  +5% to +31% where this returns True; causal D=128 at T=1024 and 2048 lost
+  12-16% (round-robin items of unequal length idle some SMs), T >= 4096 was
+  neutral. Masks with a window were not measured and keep the grid kernel.
+  """
+  if mask.window_left is not None or mask.window_right is not None:
+    return False
+  if mask.causal:
+    return (head_dim <= 64 and kv_len <= 2048) or (head_dim <= 128 and kv_len <= 512)
+  return (head_dim <= 128 and kv_len <= 2048) or (head_dim <= 64 and kv_len <= 4096)
+
+
 def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
                    kv_len: int, *, interpret: bool = False) -> ForwardConfig:
   """The default config for these arguments; it always fits shared memory.
@@ -150,7 +167,9 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   Chosen from a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16,
   T 4096 and 16384, against cuDNN in the same run): the widest K/V ring that
   fits at D=64, 128-key tiles at D=128, 64-key tiles at D=256, and causal
-  query tiles launched last-first (4-18% faster than first-first).
+  query tiles launched last-first (4-18% faster than first-first); and
+  (sweep of 2026-12-01) the persistent kernel for short sequences, see
+  ``_prefers_persistent``.
 
   Args:
     head_dim: D after any padding the kernel does (a multiple of 64).
@@ -173,8 +192,11 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # Never ring more tiles than there are keys.
   tiles = max(1, -(-kv_len // block_kv))
   stages = max(1, min(stages, tiles))
+  persistent = _prefers_persistent(head_dim, mask, kv_len)
+  if persistent and head_dim <= 64:
+    stages = min(stages, 2)  # The persistent sweep's best at D=64.
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
-                         reverse_q_tiles=bool(mask.causal))
+                         reverse_q_tiles=bool(mask.causal), persistent=persistent)
   # Shrink the ring until it fits (interpret mode's P buffer included there).
   while (forward_smem_bytes(config, head_dim, 2, interpret=interpret)
          > SMEM_LIMIT_BYTES and config.num_stages > 1):
