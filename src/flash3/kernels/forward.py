@@ -41,8 +41,9 @@ reach the output; keys past kv_len and whole unseen tiles cannot.
 
 Persistent kernel (``ForwardConfig.persistent``, issue 3, opt-in): instead of
 one CTA per (head, query tile, batch), ``min(num_sms, items)`` CTAs each loop
-over those work items in a static round-robin order (item ``cta + i *
-num_ctas``, heads fastest as in the grid). The K/V ring and its barriers run on
+over the work items a static schedule gives it (``schedule.lpt_schedule``:
+longest first, to the least-loaded CTA; round-robin in the grid's order when
+all items cost the same). The K/V ring and its barriers run on
 across items (a carried tile count places each tile's slot), so the producer
 streams the next item's K/V while the compute warpgroups finish the current
 one; when shared memory allows, o is staged apart from q and the next item's
@@ -67,7 +68,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from flash3.kernels import common
+from flash3.kernels import common, schedule
 from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
@@ -385,8 +386,13 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
         (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
   if config.persistent:
-    # One CTA per SM (at most one per work item), each looping over items.
+    # One CTA per SM (at most one per work item), each looping over the items
+    # the schedule gives it (a static table, read as scalars in the kernel).
     num_ctas = min(config.num_sms, N * num_q_ctas * B)
+    costs = schedule.item_costs(
+        mask, q_len=Tq, kv_len=Tk, num_heads=N, batch=B, cta_rows=cta_rows,
+        block_kv=block_kv, reverse_q_tiles=config.reverse_q_tiles)
+    extra_inputs += (jnp.asarray(schedule.lpt_schedule(costs, num_ctas)),)
     body = functools.partial(body, num_ctas=num_ctas)
     grid, grid_names = (num_ctas,), ("cta",)
   else:
@@ -427,8 +433,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   """One CTA: one work item (the grid), or a loop over items (``config.persistent``).
 
   A work item is (head, query CTA tile, batch). The persistent kernel
-  (``num_ctas`` CTAs on a 1D grid named "cta") takes items
-  ``cta, cta + num_ctas, ...`` in the grid's order (heads fastest). The K/V
+  (``num_ctas`` CTAs on a 1D grid named "cta") takes the items of its row of
+  the schedule table (the last extra input). The K/V
   ring runs on across items: ``g``, the count of tiles this CTA has streamed
   before the item, places the item's first tile in slot ``g % stages``, and
   the mbarriers track their own phases, so each barrier sees one arrival and
@@ -436,6 +442,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   """
   wg = lax.axis_index("wg")
   extra_refs = list(extra_refs)
+  schedule_ref = extra_refs.pop() if num_ctas is not None else None
   len_refs = (extra_refs.pop(0), extra_refs.pop(0)) if has_lengths else None
   sink_ref = extra_refs.pop(0) if has_sinks else None
   seg_refs = tuple(extra_refs) if has_segments else None
@@ -754,10 +761,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       drain_ring(it["t_lo"], it["t_hi"], slot_of)
     return
 
-  # Persistent: items cta, cta + num_ctas, ... (num_ctas <= items, so >= 1 each).
+  # Persistent: this CTA's row of the schedule (``schedule.lpt_schedule``):
+  # its item count, then its items (num_ctas <= items, so >= 1 each).
   cta = lax.axis_index("cta")
-  num_items = num_heads * num_q_ctas * batch_size
-  n_local = lax.div(num_items - 1 - cta, jnp.asarray(num_ctas, cta.dtype)) + 1
+  n_local = schedule_ref[cta, 0]
 
   def item_of(i):
     # The grid's order: heads fastest, then query tiles, then batch.
@@ -769,7 +776,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     return head, q_cta, batch
 
   def item_index(step):
-    return cta + step * num_ctas
+    return schedule_ref[cta, 1 + step]
 
   @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
   def _compute_persistent():
@@ -788,7 +795,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       it = setup(*item_of(i))
       compute_item(it, slot_fn(it, g), load_q=False,
                    next_q=(step + 1 < n_local,
-                           functools.partial(issue_q, i + num_ctas)))
+                           functools.partial(issue_q, item_index(step + 1))))
       return g + (it["t_hi"] - it["t_lo"])
 
     lax.fori_loop(0, n_local, item, jnp.int32(0))
