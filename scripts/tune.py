@@ -10,6 +10,8 @@ own cuDNN ratio. FLOPs: FlashAttention-3's convention.
   PYTHONPATH=src python3 scripts/tune.py --what fwd --out $OUT/tune --jobs 8
   # the persistent kernel (issue 3) next to the grid kernel, non-causal:
   PYTHONPATH=src python3 scripts/tune.py --what fwd --persistent 0 1 --causal 0
+  # a sliding window of 1024 (issue 6's mask suite shape at T=16384, D=128):
+  PYTHONPATH=src python3 scripts/tune.py --what fwd --D 128 --T 16384 --causal 1 --window 1024
 
 Writes one JSON line per measurement to ``<out>/tune_<what>.jsonl`` as it goes
 and prints a markdown row per measurement.
@@ -27,6 +29,8 @@ import statistics
 import sys
 import time
 import traceback
+
+import numpy as np
 
 _LOCK = None
 
@@ -85,9 +89,22 @@ def _bwd_candidates(D, causal):
   return ok
 
 
+def _visible_pairs(T: int, causal: bool, window: int | None) -> float:
+  """Visible (query, key) pairs of one (batch, head), Tq = Tk = T (FA3's FLOP rule)."""
+  pos = np.arange(T)
+  lo = np.zeros(T) if window is None else np.maximum(0, pos - window)
+  if causal:
+    hi = pos + 1
+  elif window is not None:
+    hi = np.minimum(T, pos + window + 1)
+  else:
+    hi = np.full(T, T)
+  return float(np.sum(hi - lo))
+
+
 def _task(task):
   """Compile and warm one (shape, config); then time it and cuDNN under the lock."""
-  what, dtype_name, D, T, causal, config, iterations = task
+  what, dtype_name, D, T, causal, window, config, iterations = task
   import jax
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
@@ -95,19 +112,24 @@ def _task(task):
   from flash3.kernels.forward import attention_forward
   from flash3.visibility import MaskSpec
   row = dict(what=what, dtype=dtype_name, D=D, T=T, causal=causal, config=repr(config))
+  if window is not None:
+    row["window"] = window
   try:
     dtype = jnp.dtype(dtype_name)
     B, N = 16384 // T, 2048 // D
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (B, T, N, D), dtype) for kk in keys)
     scale = D ** -0.5
-    mask = MaskSpec(causal=causal, alignment="bottom_right")
-    flops = 4 * B * T * T * N * D / (2 if causal else 1)
+    mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=window,
+                    window_right=None if window is None or causal else window)
+    nn_window = None if window is None else (window, 0 if causal else window)
+    flops = 4 * B * N * D * _visible_pairs(T, causal, window)
     if what == "fwd":
       ours = jax.jit(lambda q, k, v: attention_forward(
           q, k, v, scale=scale, mask=mask, config=config))
       theirs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
+          q, k, v, scale=scale, is_causal=causal, local_window_size=nn_window,
+          implementation="cudnn"))
       args_ours = args_theirs = (q, k, v)
     else:
       flops *= 2.5
@@ -119,6 +141,7 @@ def _task(task):
 
       def cudnn_fwd(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            local_window_size=nn_window,
                                             implementation="cudnn")
 
       def cudnn_bwd(q, k, v, do):
@@ -156,6 +179,9 @@ def main():
   ap.add_argument("--D", type=int, nargs="+", default=[64, 128, 256])
   ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
   ap.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+  ap.add_argument("--window", type=int, default=None,
+                  help="a local window: keys at most this far before (and, without "
+                       "causal, after) the query; cuDNN gets the same window")
   ap.add_argument("--persistent", type=int, nargs="+", default=[0],
                   help="fwd: values of ForwardConfig.persistent to sweep (0 1 for both)")
   ap.add_argument("--num-sms", type=int, default=132,
@@ -178,7 +204,8 @@ def main():
                               tuple(args.block_kv), tuple(args.stages))
     else:
       cands = _bwd_candidates(D, bool(causal))
-    tasks += [(args.what, args.dtype, D, T, bool(causal), c, args.iterations) for c in cands]
+    tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)
+              for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)
   path = os.path.join(args.out, f"tune_{args.what}.jsonl")
   ctx = mp.get_context("spawn")

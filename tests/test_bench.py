@@ -6,6 +6,7 @@ runner is driven with stand-in contenders and a stand-in clock.
 
 import csv
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -627,6 +628,30 @@ def test_one_reference_program_serves_both_modes():
     reference.expected_modes(case, ("bwd",), q, k, v, do, seg)
 
 
+def test_reference_compiled_in_a_thread_gives_the_same_numbers():
+  import threading
+  case = Case("t", 2, 40, 40, 4, 2, 32, "bfloat16", causal=True, num_docs=2)
+  q, k, v, do, seg = _inputs(case)
+  modes = ("fwd", "fwd+bwd")
+  prog = reference.program(case, modes, q, k, v, do, seg)
+  assert prog.compiled is None and len(prog.calls) == 2
+  thread = threading.Thread(target=reference.compile_program, args=(prog,))
+  thread.start()
+  thread.join()
+  # Both slices have one shape: one executable serves both.
+  assert len(prog.compiled) == 2 and prog.compiled[0] is prog.compiled[1]
+  ahead = reference.run_program(prog)
+  direct = reference.expected_modes(case, modes, q, k, v, do, seg)
+  for mode in modes:
+    assert ahead[mode].names == direct[mode].names
+    assert ahead[mode].tol == direct[mode].tol  # Exactly.
+    for name in direct[mode].names:
+      for a, b in zip(ahead[mode].values[name], direct[mode].values[name]):
+        np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="mode"):
+    reference.program(case, ("bwd",), q, k, v, do, seg)
+
+
 def test_check_gradients_and_prescaled_q():
   case = Case("t", 1, 64, 64, 2, 2, 64, "float16")
   q, k, v, do, seg = _inputs(case)
@@ -781,8 +806,8 @@ def _parallel_contenders():
 
 
 def _fields(rows):
-  return [(r.impl, r.mode, r.status, r.variant, r.reason, r.median_ms)
-          for r in rows]
+  return [(r.impl, r.mode, r.status, r.variant, r.reason, r.median_ms,
+           r.check_ratio) for r in rows]
 
 
 @pytest.mark.parametrize("jobs", [1, 4])
@@ -791,15 +816,22 @@ def test_parallel_compile_gives_the_serial_results(jobs, monkeypatch):
   events = []
   compile_function = runner.compile_function
 
+  compile_program = reference.compile_program
+
   def recording_compile(variant, mode, args):
     events.append(("compile", threading.current_thread().name))
     return compile_function(variant, mode, args)
+
+  def recording_reference(program):
+    events.append(("reference", threading.current_thread().name))
+    return compile_program(program)
 
   def fake_measure(fn, args, iterations, warmup):
     events.append(("measure", threading.current_thread().name))
     return timing.Timing((1.0 + len(args) - 4,) * iterations)
 
   monkeypatch.setattr(runner, "compile_function", recording_compile)
+  monkeypatch.setattr(reference, "compile_program", recording_reference)
   monkeypatch.setattr(timing, "measure", fake_measure)
   case = Case("t", 1, 64, 64, 2, 2, 32, "bfloat16", causal=True)
   lines = []
@@ -820,6 +852,10 @@ def test_parallel_compile_gives_the_serial_results(jobs, monkeypatch):
         "NotImplementedError: head_dim 32 is not supported")
     assert got[("refuses", mode)].reason == "Unsupported: float16 only"
     assert got[("absent", mode)].status == "unavailable"
+  # The reference once, for both modes.
+  references = [i for i, (kind, _) in enumerate(events) if kind == "reference"]
+  assert len(references) == 1
+  ref_thread = events[references[0]][1]
   # cudnn, tuned x3, broken, wrong, crashes; both modes.
   compiles = [name for kind, name in events if kind == "compile"]
   assert len(compiles) == 2 * 7
@@ -828,16 +864,57 @@ def test_parallel_compile_gives_the_serial_results(jobs, monkeypatch):
   assert all(name == "MainThread" for kind, name in events
              if kind == "measure")
   if jobs == 1:  # Each compiled just before it runs, on the main thread.
-    assert set(compiles) == {"MainThread"}
-    assert events[0][0] == "compile" and events[1][0] == "measure"
-  else:  # All compiled in the pool before anything is timed.
+    assert set(compiles) == {"MainThread"} and ref_thread == "MainThread"
+    assert references == [0]  # Compiled (and run) before any contender's.
+    assert events[1][0] == "compile" and events[2][0] == "measure"
+  else:  # All, the reference too, compiled in the pool before any timing.
     assert all(n.startswith("flash3-bench-compile") for n in compiles)
-    assert measures[0] == len(compiles)
+    assert ref_thread.startswith("flash3-bench-compile")
+    assert references[0] < measures[0] == len(compiles) + 1
+  assert "reference " in lines[0]
   assert "compile " in lines[0] and "run " in lines[0]
   if jobs == 4:
     serial = runner.run([case], _parallel_contenders(),
                         runner.Options(iterations=2, compile_jobs=1))
     assert _fields(rows) == _fields(serial)
+
+
+def test_reference_compile_failure_gives_the_same_rows(monkeypatch):
+  measured = []
+  monkeypatch.setattr(timing, "measure", lambda fn, args, iterations, warmup:
+                      measured.append(1) or timing.Timing((1.0,) * iterations))
+
+  @functools.partial(jax.jit, static_argnames=("with_grads", "spec", "scale",
+                                               "dtype"))
+  def broken(args, do, q_seg, kv_seg, *, with_grads, spec, scale, dtype):
+    out = {"o": _no_such_kernel(*args).astype(jnp.float32)}
+    return out, out
+
+  monkeypatch.setattr(reference, "_references", broken)
+  case = Case("t", 1, 64, 64, 2, 2, 32, "bfloat16", causal=True)
+  contenders = _parallel_contenders()
+  got = {}
+  for jobs in (1, 4):
+    times = runner.CaseTimes()
+    rows = runner.run_case(case, contenders,
+                           runner.Options(iterations=2, compile_jobs=jobs,
+                                          modes=cases_lib.MODES),
+                           {"absent": "import failed"}, times=times)
+    got[jobs] = _fields(rows)
+    # One row per contender (the unavailable one too) and mode, as when the
+    # reference failed before any contender was compiled.
+    assert [(r.impl, r.mode) for r in rows] == [
+        (c.name, mode) for mode in cases_lib.MODES for c in contenders]
+    assert {r.status for r in rows} == {"unsupported"}
+    reasons = {r.reason for r in rows}
+    assert len(reasons) == 1
+    reason = reasons.pop()
+    assert reason.startswith("reference failed: JaxRuntimeError: ")
+    assert "flash3_no_such_kernel" in reason
+    assert times.run == 0.0
+    assert (times.compile > 0.0) == (jobs > 1)  # Failed in the pool.
+  assert got[1] == got[4]
+  assert measured == []
 
 
 def test_compile_jobs_reach_the_runner(monkeypatch, tmp_path):

@@ -161,31 +161,77 @@ def expected_modes(case, modes, q, k, v, do, segment_ids) -> dict:
   the primal of the backward's vjp, so compiles per case drop from four to
   one (compiles, not FLOPs, are most of a benchmark case's time).
   """
+  return run_program(program(case, modes, q, k, v, do, segment_ids))
+
+
+@dataclasses.dataclass
+class Program:
+  """A case's reference, built but not run: ``compile_program`` (in any
+  thread) then ``run_program``, so that its compile, the longest of a case,
+  can overlap the contenders' compiles."""
+
+  modes: tuple[str, ...]
+  statics: dict  # _references' static arguments.
+  calls: list  # Per slice: _references' arguments (args, do, q_seg, kv_seg).
+  compiled: list | None = None  # Per slice, once compiled.
+
+
+def program(case, modes, q, k, v, do, segment_ids) -> Program:
+  """The reference program of ``case`` for ``modes`` (see expected_modes);
+  slices the inputs, compiles and runs nothing."""
   for mode in modes:
     if mode not in ("fwd", "fwd+bwd"):
       raise ValueError(f"mode={mode!r}: expected 'fwd' or 'fwd+bwd'")
   group = case.num_heads // case.num_kv_heads
-  dtype = jnp.dtype(case.dtype)
-  with_grads = "fwd+bwd" in modes
+  calls = []
+  for sl in slices(case):
+    seg = None if segment_ids is None else segment_ids[sl.b:sl.b + 1]
+    calls.append(((sl.of_q(q, group), sl.of_kv(k), sl.of_kv(v)),
+                  sl.of_q(do, group), seg, seg))
+  statics = dict(with_grads="fwd+bwd" in modes, spec=case.mask_spec,
+                 scale=case.scale, dtype=jnp.dtype(case.dtype))
+  return Program(tuple(modes), statics, calls)
+
+
+def _signature(call) -> tuple:
+  leaves, tree = jax.tree.flatten(call)
+  return tree, tuple((x.shape, x.dtype) for x in leaves)
+
+
+def compile_program(prog: Program) -> None:
+  """Lower and compile ``prog`` in place. Nothing runs on the device, so it
+  may run in a thread. Slices of equal shapes (all, in practice) share one
+  executable: the same one ``jax.jit`` would have used."""
+  by_signature = {}
+  compiled = []
+  for call in prog.calls:
+    key = _signature(call)
+    if key not in by_signature:
+      by_signature[key] = _references.lower(*call, **prog.statics).compile()
+    compiled.append(by_signature[key])
+  prog.compiled = compiled
+
+
+def run_program(prog: Program) -> dict:
+  """Run ``prog`` (compiled first if it is not yet): {mode: Expected}."""
+  if prog.compiled is None:
+    compile_program(prog)
   names = {"fwd": ("o",), "fwd+bwd": ("dq", "dk", "dv")}
-  values = {name: [] for mode in modes for name in names[mode]}
+  values = {name: [] for mode in prog.modes for name in names[mode]}
   errs = dict.fromkeys(values, 0.0)
   maxes = dict.fromkeys(values, 0.0)
-  for sl in slices(case):
-    args = (sl.of_q(q, group), sl.of_kv(k), sl.of_kv(v))
-    seg = None if segment_ids is None else segment_ids[sl.b:sl.b + 1]
-    ref, low = _references(args, sl.of_q(do, group), seg, seg,
-                           with_grads=with_grads, spec=case.mask_spec,
-                           scale=case.scale, dtype=dtype)
+  for fn, call in zip(prog.compiled, prog.calls):
+    ref, low = fn(*call)
     for name in values:
       values[name].append(ref[name])
       errs[name] = max(errs[name], _max_abs(low[name], ref[name]))
       maxes[name] = max(maxes[name], float(jnp.max(jnp.abs(ref[name]))))
+  dtype = prog.statics["dtype"]
   tol = {name: FACTOR * errs[name] + _atol(dtype, maxes[name])
          for name in values}
   return {mode: Expected(names[mode], {n: values[n] for n in names[mode]},
                          {n: tol[n] for n in names[mode]})
-          for mode in modes}
+          for mode in prog.modes}
 
 
 def expected(case, mode: str, q, k, v, do, segment_ids) -> Expected:

@@ -1,12 +1,15 @@
 """Runs every case on every contender, in one process, and never crashes.
 
-For each case: random inputs, the reference on its check slices (one
-compiled program for all modes, shared by all contenders), then every
-(mode, contender, variant) function is compiled, ``compile_jobs`` at a time in
-threads (XLA and Mosaic GPU compile in C++ without the GIL, and compiling is
-nearly all of a case's wall time), then one by one, alone on the GPU: run once,
-check against the reference (a wrong result is reported and not timed), time
-with CUPTI. A contender's best variant (lowest median) is its result.
+For each case: random inputs and the reference program on its check slices
+(one compiled program for all modes, shared by all contenders); then the
+reference and every (mode, contender, variant) function are compiled,
+``compile_jobs`` at a time in threads (XLA and Mosaic GPU compile in C++
+without the GIL, and compiling is nearly all of a case's wall time), the
+reference first as it is the longest; then the reference runs, then the
+contenders one by one, alone on the GPU: run once, check against the reference
+(a wrong result is reported and not timed), time with CUPTI. With
+``compile_jobs=1`` each is compiled just before it runs. A contender's best
+variant (lowest median) is its result.
 Whatever a contender raises (building, tracing, compiling or running) becomes
 an "unsupported" row with the reason.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import gc
 import sys
 import time
@@ -45,8 +49,10 @@ class Options:
 
 @dataclasses.dataclass
 class CaseTimes:
-  """Wall seconds of a case's phases (compile: the parallel phase's wall, or
-  the sum of the compiles with compile_jobs=1; run: checks and timings)."""
+  """Wall seconds of a case's phases. reference: inputs and running the
+  reference (and compiling it, with compile_jobs=1); compile: the parallel
+  phase's wall (the reference's compile included), or the sum of the
+  contenders' compiles with compile_jobs=1; run: checks and timings."""
 
   reference: float = 0.0
   compile: float = 0.0
@@ -144,22 +150,64 @@ def _compile_job(job: _Job, inputs) -> None:
     job.error = short_reason(e)
 
 
-def compile_all(jobs: list[_Job], inputs, workers: int) -> None:
-  """Compile every job, ``workers`` at a time in threads. Each is a C++
-  compile (XLA, and Mosaic GPU kernels in its custom calls' instantiate
-  stage) after a Python lowering that holds the GIL; nothing runs on the GPU
-  but XLA's autotuning."""
-  if workers <= 1 or len(jobs) <= 1:
-    for job in jobs:
-      _compile_job(job, inputs)
-    return
-  with concurrent.futures.ThreadPoolExecutor(
-      max_workers=min(workers, len(jobs)),
-      thread_name_prefix="flash3-bench-compile") as pool:
-    # _compile_job catches what a compile raises; result() re-raises the rest
-    # (KeyboardInterrupt in a worker, a bug here).
-    for future in [pool.submit(_compile_job, job, inputs) for job in jobs]:
-      future.result()
+def _compile_reference(program: reference.Program) -> Exception | None:
+  """Compile the reference in place; returns what that raised, if anything."""
+  try:
+    reference.compile_program(program)
+  except Exception as e:  # Reported by run_case as a failed reference.
+    return e
+  return None
+
+
+def compile_all(jobs: list[_Job], inputs, workers: int,
+                program: reference.Program | None = None
+                ) -> Exception | None:
+  """Compile every job, and the reference ``program`` when given (submitted
+  first: it is the longest compile), ``workers`` at a time in threads. Each
+  is a C++ compile (XLA, and Mosaic GPU kernels in its custom calls'
+  instantiate stage) after a Python lowering that holds the GIL; nothing runs
+  on the GPU but XLA's autotuning.
+
+  Returns:
+    What compiling the reference raised, or None.
+  """
+  tasks = [functools.partial(_compile_job, job, inputs) for job in jobs]
+  if program is not None:
+    tasks.insert(0, functools.partial(_compile_reference, program))
+  if workers <= 1 or len(tasks) <= 1:
+    done = [task() for task in tasks]
+  else:
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(workers, len(tasks)),
+        thread_name_prefix="flash3-bench-compile") as pool:
+      # The tasks catch what a compile raises; result() re-raises the rest
+      # (KeyboardInterrupt in a worker, a bug here).
+      done = [future.result()
+              for future in [pool.submit(task) for task in tasks]]
+  return done[0] if program is not None else None
+
+
+def _plan(case: Case, implementations: list[impls.Implementation],
+          options: Options, unavailable: dict[str, str]) -> tuple[dict, list]:
+  """({name: its variants, or why it has none}, [(mode, name, jobs)]); jobs
+  is None for a contender without variants."""
+  # Each contender's variants once, for all modes (a dense mask is built once).
+  variants = {}
+  for impl in implementations:
+    if impl.name in unavailable:
+      continue
+    try:
+      variants[impl.name] = impl.variants(case, options.tune)
+    except Exception as e:  # Unsupported, or anything else it raised.
+      variants[impl.name] = short_reason(e)
+  plan = []
+  for mode in options.modes:
+    for impl in implementations:
+      found = variants.get(impl.name)
+      jobs = ([_Job(mode, v) for v in found] if isinstance(found, list)
+              else None)
+      plan.append((mode, impl.name, jobs))
+  return variants, plan
 
 
 def run_case(case: Case, implementations: list[impls.Implementation],
@@ -172,43 +220,45 @@ def run_case(case: Case, implementations: list[impls.Implementation],
     times: gets the wall time of each phase when given.
   """
   times = CaseTimes() if times is None else times
+
+  def failed(e: BaseException) -> list[Result]:
+    # Without a reference nothing can be checked.
+    return [Result.for_case(case, impl.name, mode, "unsupported",
+                            reason="reference failed: " + short_reason(e))
+            for mode in options.modes for impl in implementations]
+
   t0 = time.monotonic()
   q, k, v, do, seg = reference.random_inputs(case)
   inputs = (q, k, v, do)
   on_step(f"reference {case.label()}")
   try:
-    expectations = reference.expected_modes(case, options.modes, q, k, v, do,
-                                            seg)
-  except Exception as e:  # Without a reference nothing can be checked.
-    return [Result.for_case(case, impl.name, mode, "unsupported",
-                            reason="reference failed: " + short_reason(e))
-            for mode in options.modes for impl in implementations]
+    program = reference.program(case, options.modes, q, k, v, do, seg)
+  except Exception as e:
+    return failed(e)
   finally:
     times.reference += time.monotonic() - t0
 
-  # Each contender's variants once, for all modes (a dense mask is built once).
-  variants = {}
-  for impl in implementations:
-    if impl.name in unavailable:
-      continue
-    try:
-      variants[impl.name] = impl.variants(case, options.tune)
-    except Exception as e:  # Unsupported, or anything else it raised.
-      variants[impl.name] = short_reason(e)
-  plan = []  # (mode, name, jobs); jobs None for a contender without variants.
-  for mode in options.modes:
-    for impl in implementations:
-      found = variants.get(impl.name)
-      jobs = ([_Job(mode, v) for v in found] if isinstance(found, list)
-              else None)
-      plan.append((mode, impl.name, jobs))
   parallel = options.compile_jobs > 1
-  if parallel:
+  if parallel:  # The reference compiles alongside the contenders.
+    variants, plan = _plan(case, implementations, options, unavailable)
     on_step(f"compile {case.label()}")
     t0 = time.monotonic()
-    compile_all([job for _, _, jobs in plan for job in jobs or ()], inputs,
-                options.compile_jobs)
+    error = compile_all([job for _, _, jobs in plan for job in jobs or ()],
+                        inputs, options.compile_jobs, program)
     times.compile += time.monotonic() - t0
+    if error is not None:
+      return failed(error)
+    on_step(f"reference {case.label()}")
+  t0 = time.monotonic()
+  try:
+    expectations = reference.run_program(program)  # Compiles it if serial.
+  except Exception as e:
+    return failed(e)
+  finally:
+    times.reference += time.monotonic() - t0
+  del program  # Its executable and input slices.
+  if not parallel:  # Variants' arrays only once the reference is done.
+    variants, plan = _plan(case, implementations, options, unavailable)
 
   out = []
   for mode, name, jobs in plan:
