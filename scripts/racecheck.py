@@ -1,7 +1,8 @@
 """Tiny calls of every kernel for `compute-sanitizer --tool racecheck` on an H100/H200.
 
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
-and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1.
+and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
+then the persistent forward (plain, causal) with 2 CTAs looping over the work items.
 """
 import jax
 import jax.numpy as jnp
@@ -30,3 +31,17 @@ for name, kw in calls.items():
   value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
   finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
   print(f"{name}: loss {float(value):.4f}, finite gradients {finite}")
+
+# The persistent forward (opt-in): 2 CTAs each looping over 2 of the 4 items, so
+# the K/V ring and the q/o staging run on across items.
+from flash3.kernels.config import ForwardConfig, forward_config  # noqa: E402
+from flash3.kernels.forward import attention_forward  # noqa: E402
+from flash3.visibility import MaskSpec  # noqa: E402
+
+for name, mask in {"persistent plain": MaskSpec(),
+                   "persistent causal": MaskSpec(causal=True, alignment="bottom_right")}.items():
+  base = forward_config(64, jnp.bfloat16, mask, 192, 200)
+  config = ForwardConfig(block_kv=base.block_kv, num_stages=base.num_stages,
+                         reverse_q_tiles=base.reverse_q_tiles, persistent=True, num_sms=2)
+  o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
+  print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
