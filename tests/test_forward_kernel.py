@@ -896,15 +896,8 @@ def test_gpu_nan_past_lengths_and_unseen_tiles_e07(D):
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
 
 
-_E11_LSE_ROUNDING = pytest.mark.xfail(strict=True, reason=(
-    "H200, 2026-11-30: o is bitwise equal but lse differs by rounding between the "
-    "lengths and no-lengths kernels at these T (issue 3; not yet understood)"))
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, pytest.param(2, marks=_E11_LSE_ROUNDING),
-                               pytest.param(3, marks=_E11_LSE_ROUNDING),
-                               pytest.param(5, marks=_E11_LSE_ROUNDING), 1000])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 1000])
 def test_gpu_lengths_equal_to_t_bitwise_e11(T):
   q, k, v = make_qkv(jax.random.key(T), 1, T, T, 2, 1, 64, jnp.bfloat16)
   full = jnp.array([T], jnp.int32)

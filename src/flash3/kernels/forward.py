@@ -649,13 +649,17 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     seen = l > 0
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-    lse = jnp.where(seen, m * common.LN_2 + jnp.log(jnp.where(seen, l, 1.0)),
+    # (m + log2 l) ln 2, not m ln 2 + ln l: approximate ln is log2 times ln 2,
+    # and with two products feeding one sum the compiler may fuse either into
+    # an FMA, differently in kernel variants (E11: the lengths == T kernel's
+    # lse differed from the no-lengths kernel's by rounding on the H200 until
+    # this form; bitwise equal since, 2026-12-01).
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
                     -jnp.inf)
     if has_lengths:
       # Rows i >= q_len see nothing: they were computed like the others and
       # are replaced here (selected, so NaN in their q cannot leak). Without
-      # lengths TMA drops the rows past Tq. (Running these selects in both
-      # paths did not make lse bitwise equal at tiny T on the H200: E11.)
+      # lengths TMA drops the rows past Tq.
       row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
                                           layout=plgpu.Layout.WGMMA)
       o = jnp.where(row < Tq, o, 0.0)
