@@ -301,6 +301,18 @@ def skip_done(cases: list[Case], row_lists: list, impl_names: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
+  try:
+    code = _main(argv)
+    sys.stdout.flush()  # Inside the try: a closed pipe surfaces here, not at exit.
+    return code
+  except BrokenPipeError:
+    # The reader went away (e.g. `flash3-bench --list | head`): no traceback.
+    # Point stdout at devnull so the interpreter's final flush does not fail too.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _main(argv: list[str] | None) -> int:
   import time
   start = time.monotonic()
   args = parse(argv)
