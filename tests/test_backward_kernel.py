@@ -331,7 +331,7 @@ def test_interpret_race_detection_catches_early_release():
 
 
 # ----------------------------------------------------------------------------
-# GPU: issue 4's grid and the named edge cases of ../shared/cases/
+# GPU: issue 4's grid and the named edge cases of docs/edge_cases.md
 # ----------------------------------------------------------------------------
 
 LENGTHS = [(1, 1), (64, 128), (113, 203), (128, 217), (239, 1), (256, 512),

@@ -76,6 +76,55 @@ def test_visible_pairs_with_segments_equals_dense_count():
         np.asarray(dense).sum())
 
 
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("causal,window,docs", [
+    (True, None, False), (False, None, False), (True, (5, 0), False),
+    (False, (3, 2), True), (True, None, True)])
+def test_visible_pairs_with_lengths_equals_dense_count(alignment, causal,
+                                                      window, docs):
+  left, right = window if window else (None, None)
+  spec = MaskSpec(causal=causal, alignment=alignment, window_left=left,
+                  window_right=right)
+  ids = np.repeat(np.arange(3, dtype=np.int32), [10, 7, 13]) if docs else None
+  for q_len, kv_len in ((30, 30), (30, 30), (17, 30), (30, 17)):
+    for q_valid, kv_valid in ((30, 30), (1, 1), (19, 19), (12, 25),
+                              (25, 12), (None, 9), (6, None), (0, 5)):
+      qv = None if q_valid is None else min(q_valid, q_len)
+      kv = None if kv_valid is None else min(kv_valid, kv_len)
+      seg = ({} if ids is None or q_len != kv_len else
+             dict(query_segment_ids=jnp.asarray(ids)[None],
+                  key_value_segment_ids=jnp.asarray(ids)[None]))
+      dense = dense_mask(
+          spec, q_len, kv_len,
+          query_seq_lengths=None if qv is None else jnp.array([qv]),
+          key_value_seq_lengths=None if kv is None else jnp.array([kv]),
+          **seg)
+      got = flops_lib.visible_pairs(
+          q_len, kv_len, spec, *([ids, ids] if seg else [None, None]),
+          q_valid=qv, kv_valid=kv)
+      assert got == int(np.asarray(dense).sum()), (q_len, kv_len, qv, kv)
+  with pytest.raises(ValueError, match="q_valid"):
+    flops_lib.visible_pairs(8, 8, spec, q_valid=9)
+
+
+def test_padding_lengths_count_exactly():
+  # Causal rows of valid length L see L(L+1)/2 pairs: exact, not L^2/2.
+  case = cases_lib.suite_cases("masks")[-1]
+  pairs = sum(n * (n + 1) // 2 for n in (4096, 3072, 2048, 1024))
+  assert flops_lib.forward_flops(case) == 4 * 16 * 128 * pairs
+  full = Case("m", 2, 64, 64, 2, 2, 32, seq_lengths=(64, 10))
+  assert flops_lib.forward_flops(full) == 4 * 2 * 32 * (64**2 + 10**2)
+  # Each row counted with its own lengths and documents.
+  both = Case("m", 2, 12, 12, 1, 1, 8, causal=True, num_docs=3,
+              seq_lengths=(12, 6))
+  ids = jnp.asarray(both.segment_ids())
+  dense = dense_mask(both.mask_spec, 12, 12,
+                     query_seq_lengths=jnp.asarray(both.lengths()),
+                     key_value_seq_lengths=jnp.asarray(both.lengths()),
+                     query_segment_ids=ids, key_value_segment_ids=ids)
+  assert flops_lib.forward_flops(both) == 4 * 8 * int(np.asarray(dense).sum())
+
+
 def test_visible_pairs_rejects_bad_segments():
   ids = np.arange(8)
   with pytest.raises(ValueError, match="both"):
@@ -122,9 +171,21 @@ def test_other_suites():
       (32, 8, 128)}
   assert max(c.q_len for c in cases_lib.suite_cases("long")) == 131072
   masks = cases_lib.suite_cases("masks")
-  assert {c.mask for c in masks} == {"causal", "causal+window(1024,0)",
-                                     "docs8", "causal+docs8"}
-  assert all(c.q_len == 16384 for c in masks)
+  assert [c.mask for c in masks] == [
+      "causal", "causal+window(1024,0)", "docs8", "causal+docs8",
+      "causal+lens(4096,3072,2048,1024)"]
+  assert all(c.batch * c.q_len == 16384 for c in masks)
+  padded = masks[-1]
+  assert (padded.batch, padded.q_len, padded.kv_len) == (4, 4096, 4096)
+  assert (padded.num_heads, padded.head_dim, padded.dtype) == (16, 128,
+                                                               "bfloat16")
+  assert padded.seq_lengths == (4096, 3072, 2048, 1024) and padded.causal
+  assert padded.label() == ("B=4 Tq=4096 Tk=4096 N=16 K=16 D=128 bfloat16 "
+                            "causal+lens(4096,3072,2048,1024)")
+  # Smaller rows: the padding case keeps B*T and repeats its lengths.
+  small = cases_lib.masks_suite(seq_len=4096)[-1]
+  assert (small.batch, small.q_len) == (16, 1024)
+  assert small.seq_lengths == (1024, 768, 512, 256) * 4
   quick = cases_lib.suite_cases("quick")
   assert 1 <= len(quick) <= 4 and {c.dtype for c in quick} == {"float16"}
   every = cases_lib.suite_cases("all", ["bfloat16"])
@@ -146,6 +207,29 @@ def test_case_segment_ids_and_validation():
     Case("m", 1, 10, 10, 2, 2, 64, num_docs=3)
   with pytest.raises(ValueError, match="dtype"):
     Case("m", 1, 8, 8, 2, 2, 64, dtype="float32")
+
+
+def test_case_seq_lengths_and_validation():
+  case = Case("m", 3, 16, 16, 2, 2, 64, causal=True, seq_lengths=[16, 9, 1])
+  assert case.seq_lengths == (16, 9, 1)  # Stored as a tuple: hashable.
+  assert hash(case) == hash(dataclasses.replace(case))
+  lens = case.lengths()
+  assert lens.dtype == np.int32 and lens.tolist() == [16, 9, 1]
+  assert case.mask == "causal+lens(16,9,1)"
+  assert Case("m", 1, 8, 8, 2, 2, 64).lengths() is None
+  many = Case("m", 6, 8, 8, 2, 2, 64, seq_lengths=(8, 7, 6, 5, 4, 3))
+  assert many.mask == "lens(3..8,sum=33)"
+  both = Case("m", 2, 12, 12, 2, 2, 64, num_docs=3, seq_lengths=(12, 5))
+  assert both.mask == "docs3+lens(12,5)"
+  for bad, match in (((8, 8), "2 values for batch=3"),
+                     ((8, 0, 8), r"\[1, 8\], not \[0\]"),
+                     ((8, 9, 8), r"not \[9\]"),
+                     (("a", 1, 1), "tuple of ints")):
+    with pytest.raises(ValueError, match="seq_lengths") as e:
+      Case("m", 3, 8, 8, 2, 2, 64, seq_lengths=bad)
+    assert e.match(match)
+  with pytest.raises(ValueError, match="seq_lengths needs q_len == kv_len"):
+    Case("m", 1, 8, 16, 2, 2, 64, seq_lengths=(8,))
 
 
 def _ids(cases):
@@ -227,6 +311,49 @@ def test_parse_defaults_and_quick():
   assert [c.dtype for c in selected] == ["float16", "bfloat16"]
   assert selected[0].mask == "causal+window(16,0)+docs2"
   assert args.impls == ("cudnn", "flash3") and args.modes == ("fwd",)
+
+
+def test_lengths_flag():
+  args = cli.parse(["--shape", "B=3,T=128,N=4,D=64", "--causal", "--lengths",
+                    "128,64,1"])
+  (case,) = cli.select_cases(args)
+  assert case.seq_lengths == (128, 64, 1) and case.causal
+  assert case.mask == "causal+lens(128,64,1)"
+  for lengths, match in (("128,64", "2 values for batch=3"),
+                         ("128,64,129", "129")):
+    with pytest.raises(ValueError, match="--lengths: seq_lengths") as e:
+      cli.select_cases(cli.parse(["--shape", "B=3,T=128,N=4,D=64",
+                                  "--lengths", lengths]))
+    assert e.match(match)
+  with pytest.raises(ValueError, match="q_len == kv_len"):
+    cli.select_cases(cli.parse(["--shape", "B=1,Tq=64,Tk=128,N=4,D=64",
+                                "--lengths", "64"]))
+  with pytest.raises(ValueError, match="--lengths go with --shape"):
+    cli.select_cases(cli.parse(["--lengths", "64"]))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lengths", "64,x"], "comma-separated ints"),
+    (["--lengths", "64,0"], ">= 1"),
+    (["--lengths", ""], "comma-separated ints"),
+])
+def test_bad_lengths_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--list", "--shape", "B=2,T=64,N=4,D=64"] + argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "B=2,T=64,N=4,D=64", "--lengths", "64"], "1 values"),
+    (["--shape", "B=1,T=64,N=4,D=64", "--lengths", "65"], "[1, 64]"),
+    (["--lengths", "64"], "--shape"),
+])
+def test_lengths_that_do_not_fit_return_2(argv, message, capsys):
+  assert cli.main(["--list"] + argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("flash3-bench: ") and message in err
+  assert "Traceback" not in err
 
 
 def test_seqlens_and_head_dims_filter_a_suite():
@@ -576,18 +703,26 @@ def _inputs(case, seed=1):
     Case("t", 2, 40, 40, 4, 2, 32, "float16", causal=True),
     Case("t", 1, 24, 56, 2, 1, 32, "bfloat16", window=(5, 2)),
     Case("t", 2, 48, 48, 2, 2, 32, "bfloat16", causal=True, num_docs=3),
+    Case("t", 3, 40, 40, 4, 2, 32, "bfloat16", causal=True,
+         seq_lengths=(40, 23, 1)),
+    Case("t", 2, 48, 48, 2, 2, 32, "float16", window=(4, 3), num_docs=2,
+         seq_lengths=(30, 48)),
 ])
 def test_reference_matches_flash3_xla_with_small_chunks(case, monkeypatch):
   # Force several chunks and a padded last chunk.
   monkeypatch.setattr(reference, "CHUNK_BYTES", 4 * case.batch * case.num_heads
                       * case.kv_len * 17)
   q, k, v, do, seg = _inputs(case)
+  lens = None if case.seq_lengths is None else jnp.asarray(case.lengths())
   f = lambda q, k, v: reference.attention(  # noqa: E731
-      q, k, v, seg, seg, spec=case.mask_spec, scale=case.scale)
+      q, k, v, seg, seg, lens, lens, spec=case.mask_spec, scale=case.scale)
+  # Every row, padding too: flash3 (like the reference) writes 0 there.
   g = lambda q, k, v: flash3.dot_product_attention(  # noqa: E731
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
       is_causal=case.causal, local_window_size=case.window,
-      query_segment_ids=seg, key_value_segment_ids=seg, implementation="xla")
+      query_segment_ids=seg, key_value_segment_ids=seg,
+      query_seq_lengths=lens, key_value_seq_lengths=lens,
+      implementation="xla")
   np.testing.assert_allclose(f(q, k, v), g(q, k, v), rtol=1e-5, atol=1e-5)
   args32 = [x.astype(jnp.float32) for x in (q, k, v)]
   do32 = do.astype(jnp.float32)
@@ -595,6 +730,86 @@ def test_reference_matches_flash3_xla_with_small_chunks(case, monkeypatch):
   grads_g = jax.vjp(g, *args32)[1](do32)
   for a, b in zip(grads_f, grads_g):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _dense_attention(q, k, v, lengths, *, causal, scale):
+  """float32 attention from a (B, Tq, Tk) mask, the textbook way: fully
+  masked rows give 0."""
+  b, t, n, d = q.shape
+  group = n // k.shape[2]
+  k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
+  s = jnp.einsum("bqnd,bknd->bnqk", q.astype(jnp.float32), k,
+                 precision="highest") * scale
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  keep = (np.less_equal(j, i) if causal else np.ones((t, t), bool))[None]
+  lens = np.asarray(lengths)[:, None, None]
+  keep = keep & (i[None] < lens) & (j[None] < lens)  # (B, Tq, Tk)
+  s = jnp.where(keep[:, None], s, -jnp.inf)
+  p = jnp.exp(s - jnp.max(jnp.where(keep[:, None], s, -1e30), axis=-1,
+                          keepdims=True))
+  l = p.sum(-1, keepdims=True)
+  p = p / jnp.where(l == 0, 1.0, l)
+  return jnp.einsum("bnqk,bknd->bqnd", p, v, precision="highest")
+
+
+def test_reference_with_lengths_equals_dense_float32():
+  case = Case("t", 3, 48, 48, 4, 2, 32, "bfloat16", causal=True,
+              seq_lengths=(48, 29, 5))
+  q, k, v, do, _ = _inputs(case)
+  lens = jnp.asarray(case.lengths())
+  f = lambda q, k, v: reference.attention(  # noqa: E731
+      q, k, v, None, None, lens, lens, spec=case.mask_spec, scale=case.scale)
+  g = functools.partial(_dense_attention, lengths=case.lengths(), causal=True,
+                        scale=case.scale)
+  args = [x.astype(jnp.float32) for x in (q, k, v)]
+  o_f, vjp_f = jax.vjp(f, *args)
+  o_g, vjp_g = jax.vjp(g, *args)
+  np.testing.assert_allclose(o_f, o_g, rtol=1e-5, atol=1e-5)
+  # Random cotangents everywhere (padding too): padded rows still give
+  # nothing to dk, dv.
+  do32 = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+  grads_f, grads_g = vjp_f(do32), vjp_g(do32)
+  for a, b in zip(grads_f, grads_g):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  dq, dk, dv = grads_f
+  for b, n in enumerate(case.seq_lengths):  # Padding: exactly 0.
+    for x in (o_f, dq, dk, dv):
+      assert not np.any(np.asarray(x[b, n:]))
+    assert np.all(np.abs(np.asarray(o_f[b, :n])).sum(-1) > 0)
+  # random_inputs gives padded query rows a zero cotangent.
+  assert not np.any(np.asarray(do[1, 29:])) and np.all(
+      np.asarray(do[1, :29]) != 0)
+
+
+def test_check_compares_only_the_valid_rows():
+  case = Case("t", 2, 64, 64, 4, 2, 32, "bfloat16", causal=True,
+              seq_lengths=(64, 20))
+  q, k, v, do, seg = _inputs(case)
+  exp = reference.expected_modes(case, cli.MODES, q, k, v, do, seg)
+  lens = jnp.asarray(case.lengths())
+  f = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+      q, k, v, is_causal=True, query_seq_lengths=lens,
+      key_value_seq_lengths=lens, implementation="xla")
+  o = f(q, k, v)
+  grads = jax.vjp(f, q, k, v)[1](do)
+  assert reference.check(case, exp["fwd"], (o,))[0]
+  assert reference.check(case, exp["fwd+bwd"], grads)[0]
+  # Whatever is in padded rows or keys of the last slice (batch row 1, rows
+  # 20 and up) is not compared, NaN included, as cuDNN may leave them so.
+  ok, _, detail = reference.check(case, exp["fwd"],
+                                  (o.at[1, 20:].set(jnp.nan),))
+  assert ok, detail
+  dq, dk, dv = grads
+  junk = (dq.at[1, 20:].set(jnp.nan), dk.at[1, 20:].set(7.0),
+          dv.at[1, 20:].set(-7.0))
+  assert reference.check(case, exp["fwd+bwd"], junk)[0]
+  # A valid row still counts.
+  ok, ratio, detail = reference.check(case, exp["fwd"],
+                                      (o.at[1, 19, 3].add(0.5),))
+  assert not ok and ratio > 1 and detail.startswith("o max error")
+  ok, _, detail = reference.check(case, exp["fwd+bwd"],
+                                  (dq, dk.at[1, 19, 1].set(jnp.nan), dv))
+  assert not ok and detail == "dk has NaN or Inf"
 
 
 def test_check_accepts_input_dtype_math_and_rejects_errors():
@@ -719,6 +934,37 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
   assert got[("refuses", "fwd+bwd")].reason == "Unsupported: float16 only"
   assert got[("absent", "bwd")].status == "unavailable"
   assert calls == [3, 3]  # Only the correct contender was timed.
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_runner_passes_a_padding_case_with_the_xla_contender(causal,
+                                                             monkeypatch):
+  monkeypatch.setattr(timing, "measure", lambda fn, args, iterations, warmup:
+                      timing.Timing((1.0,) * iterations))
+  case = Case("t", 4, 64, 64, 4, 2, 32, "bfloat16", causal=causal,
+              seq_lengths=(64, 48, 32, 16))
+  (variant,) = impls.IMPLEMENTATIONS["xla"].variants(case, True)
+  (lens,) = variant.aux
+  assert lens.dtype == jnp.int32 and lens.tolist() == [64, 48, 32, 16]
+  rows = runner.run([case], [impls.IMPLEMENTATIONS["xla"]],
+                    runner.Options(iterations=2))
+  got = {r.mode: r for r in rows}
+  for mode in ("fwd", "fwd+bwd", "bwd"):
+    assert got[mode].status == "ok", got[mode].reason
+    assert got[mode].mask == case.mask
+  assert got["fwd"].check_ratio <= 1.0 and got["fwd+bwd"].check_ratio <= 1.0
+  pairs = [n * (n + 1) // 2 if causal else n * n for n in (64, 48, 32, 16)]
+  assert got["fwd"].flops == flops_lib.forward_flops(case) == (
+      4 * 4 * 32 * sum(pairs))
+  # Ignoring the lengths is wrong on the valid rows, except with causal:
+  # there a valid query sees only valid keys anyway, and padded rows (zero
+  # cotangent) reach no gradient; only the wasted work would tell.
+  no_lengths = impls.Variant("", lambda q, k, v: variant.fn(
+      q, k, v, jnp.full((4,), 64, jnp.int32)))
+  rows = runner.run([case], [impls.Implementation(
+      "xla", "", lambda: None, lambda case, tune: [no_lengths])],
+      runner.Options(iterations=2))
+  assert {r.status for r in rows} == {"ok" if causal else "wrong"}
 
 
 def test_runner_checkpoints_each_case_and_honours_time_budget(monkeypatch, capsys):
@@ -886,7 +1132,8 @@ def test_reference_compile_failure_gives_the_same_rows(monkeypatch):
 
   @functools.partial(jax.jit, static_argnames=("with_grads", "spec", "scale",
                                                "dtype"))
-  def broken(args, do, q_seg, kv_seg, *, with_grads, spec, scale, dtype):
+  def broken(args, do, q_seg, kv_seg, lengths, *, with_grads, spec, scale,
+             dtype):
     out = {"o": _no_such_kernel(*args).astype(jnp.float32)}
     return out, out
 
@@ -967,10 +1214,44 @@ def test_contenders_refuse_what_they_cannot_do():
   (variant,) = impls.IMPLEMENTATIONS["cudnn"].variants(docs, True)
   assert variant.label == "dense mask" and variant.aux[0].shape == (1, 1, 64,
                                                                      64)
+  padded = Case("t", 2, 64, 64, 2, 2, 64, "float16", causal=True,
+                seq_lengths=(64, 30))
+  with pytest.raises(impls.Unsupported, match="padding lengths"):
+    impls.IMPLEMENTATIONS["jax-mgpu"].variants(padded, True)
+  for name in ("cudnn", "xla"):
+    (variant,) = impls.IMPLEMENTATIONS[name].variants(padded, True)
+    assert variant.label == "" and len(variant.aux) == 1
+    assert variant.aux[0].dtype == jnp.int32
+    assert variant.aux[0].tolist() == [64, 30]
+  both = dataclasses.replace(padded, num_docs=2)
+  (variant,) = impls.IMPLEMENTATIONS["cudnn"].variants(both, True)
+  assert variant.label == "dense mask"
+  assert [a.shape for a in variant.aux] == [(2, 1, 64, 64), (2,)]
+
+
+def test_flash3_contender_passes_lengths_and_segment_ids(monkeypatch):
+  seen = {}
+
+  def fake(q, k, v, **kwargs):
+    seen.update(kwargs)
+    return q
+
+  monkeypatch.setattr(flash3, "dot_product_attention", fake)
+  case = Case("t", 2, 64, 64, 2, 2, 64, causal=True, num_docs=2,
+              seq_lengths=(64, 30))
+  (variant,) = impls.IMPLEMENTATIONS["flash3"].variants(case, True)
+  q = jnp.zeros((2, 64, 2, 64))
+  variant.fn(q, q, q, *variant.aux)
+  assert seen["is_causal"] and seen["implementation"] == "mosaic"
+  assert seen["query_segment_ids"] is seen["key_value_segment_ids"]
+  assert seen["query_segment_ids"].shape == (2, 64)
+  assert seen["query_seq_lengths"] is seen["key_value_seq_lengths"]
+  assert seen["query_seq_lengths"].tolist() == [64, 30]
 
 
 def test_tokamax_gets_jax_nn_arguments(monkeypatch):
-  """The tokamax contender's call (BTNH, is_causal, window, dense mask), run
+  """The tokamax contender's call (BTNH, is_causal, window, dense mask,
+  lengths), run
   through tokamax's XLA path on this CPU; only "mosaic" differs on the GPU.
   Runs where tokamax imports (scripts/with_tokamax.sh), else skipped."""
   pytest.importorskip("tokamax")
@@ -978,7 +1259,9 @@ def test_tokamax_gets_jax_nn_arguments(monkeypatch):
   for case in (Case("t", 2, 128, 128, 4, 2, 64, "bfloat16", causal=True),
                Case("t", 1, 128, 128, 2, 2, 64, "bfloat16", causal=True,
                     window=(16, 0)),
-               Case("t", 2, 96, 96, 2, 2, 64, "bfloat16", num_docs=3)):
+               Case("t", 2, 96, 96, 2, 2, 64, "bfloat16", num_docs=3),
+               Case("t", 3, 128, 128, 2, 2, 64, "bfloat16", causal=True,
+                    seq_lengths=(128, 70, 9))):
     (variant,) = impls.IMPLEMENTATIONS["tokamax"].variants(case, True)
     q, k, v, do, seg = reference.random_inputs(case)
     expectations = reference.expected_modes(case, cli.MODES, q, k, v, do, seg)

@@ -2,7 +2,7 @@
 
 Covers every option of issue 2 alone and combined (hypothesis), the T sweep,
 GQA ratios 1, 2, 7, 8, fully masked rows, the semantic edge cases E05, E06,
-E07, E11, E12, E13, E14, E15 of ../shared/cases/README.md, agreement with
+E07, E11, E12, E13, E14, E15 of docs/edge_cases.md, agreement with
 jax.nn.dot_product_attention, gradients against finite differences and the
 jax transformations (jit, grad, vmap, checkpoint).
 """

@@ -111,6 +111,27 @@ def test_lengths_out_of_range(name, bad):
   expect(ValueError, name, str(wrong), **{name: np.array(bad, np.int32)})
 
 
+@pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])
+def test_int64_lengths_past_int32_are_rejected_not_wrapped(name):
+  # jnp.asarray would wrap 2**32 + 3 to 3 (x64 off): checked on the host first.
+  expect(ValueError, name, str(2**32 + 3), **{name: np.array([2**32 + 3, 1], np.int64)})
+
+
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+def test_int64_segment_ids_past_int32_are_rejected_not_wrapped(name):
+  ids = {"query_segment_ids": np.zeros((B, TQ), np.int64),
+         "key_value_segment_ids": np.zeros((B, TK), np.int64)}
+  ids[name] = ids[name] + 2**32 + 1  # Would wrap to 1: a different document.
+  expect(ValueError, name, "int32", **ids)
+
+
+def test_int64_ids_within_int32_still_work():
+  out = call(query_segment_ids=np.ones((B, TQ), np.int64),
+             key_value_segment_ids=np.ones((B, TK), np.int64),
+             query_seq_lengths=np.array([1, TQ], np.int64))
+  assert out.shape == (B, TQ, N, D)
+
+
 def test_lengths_at_the_bounds_are_legal():
   out = call(query_seq_lengths=np.array([0, TQ], np.int32),
              key_value_seq_lengths=np.array([TK, 0], np.int32))

@@ -112,10 +112,36 @@ def _window(local_window_size, longest: int) -> tuple[int, int] | None:
   return (min(window[0], longest), min(window[1], longest))
 
 
+def _host_int_range(x) -> tuple[int, int] | None:
+  """(min, max) of a host (NumPy or list) integer array in its own width, else None.
+
+  jnp.asarray would first cast int64 to int32 (x64 is off) and wrap values
+  past 2**31 silently, so host values are checked before that cast.
+  """
+  if isinstance(x, (jax.Array, jax.core.Tracer)):
+    return None
+  arr = np.asarray(x)
+  if not arr.size:
+    return None
+  return int(arr.min()), int(arr.max())
+
+
+def _check_fits_int32(name: str, x) -> None:
+  span = _host_int_range(x)
+  if span is not None and (span[0] < -2**31 or span[1] > 2**31 - 1):
+    raise ValueError(
+        f"{name} has values in [{span[0]}, {span[1]}]; allowed: values that fit "
+        "int32 (renumber 64-bit ids, e.g. with np.unique(..., return_inverse=True))")
+
+
 def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
   if x is None:
     return None
   _check_int(name, x)
+  span = _host_int_range(x)
+  if span is not None and (span[0] < 0 or span[1] > max_len):
+    raise ValueError(
+        f"{name} has values in [{span[0]}, {span[1]}]; allowed: 0 <= length <= {max_len}")
   x = jnp.asarray(x)
   if unbatched and x.ndim == 0:
     x = x.reshape(1)
@@ -131,6 +157,7 @@ def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
 
 def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
   _check_int(name, x)
+  _check_fits_int32(name, x)
   x = jnp.asarray(x)
   want = (length,) if unbatched else (batch, length)
   if _shape(x) != want:

@@ -6,7 +6,7 @@ Memory is O(Tq * Tk) per head: it materialises the logits.
 Fully masked rows return 0 with logsumexp -inf and zero gradients; keys and
 queries that nothing sees are *selected* away (``jnp.where``), not multiplied
 by zero, so NaN or Inf written into them can never reach a valid output or
-gradient (../shared/cases E07).
+gradient (case E07 of docs/edge_cases.md).
 """
 
 from __future__ import annotations

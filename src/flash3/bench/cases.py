@@ -14,7 +14,9 @@ Suites (FlashAttention-3 paper, section 4.1, for the "fa3" grid):
 * ``long``: B = 1, N = 16, D = 128, T = 32768, 65536, 131072.
 * ``masks``: T = 16384, N = 16, D = 128: causal (the yardstick), a causal
   sliding window of 1024, and packed rows of 8 documents of 2048 tokens
-  (segment ids), with and without causal.
+  (segment ids), with and without causal; and batched inference with right
+  padding: B = 4 rows of T = 4096, causal, valid lengths 4096, 3072, 2048
+  and 1024 (query and key lengths alike).
 * ``quick``: a handful of the above, for a run under two minutes.
 * ``single``: one case from the command line (``single_case``).
 """
@@ -47,6 +49,9 @@ class Case:
     window: (left, right) local window, both ends inclusive, or None.
     num_docs: packed documents of equal length per row (segment ids, the
       same for queries and keys), or None.
+    seq_lengths: one valid length per batch row, the same for queries and
+      keys (right padding: query rows and keys at or past it are padding), or
+      None. Needs q_len == kv_len.
   """
 
   suite: str
@@ -60,6 +65,7 @@ class Case:
   causal: bool = False
   window: tuple[int, int] | None = None
   num_docs: int | None = None
+  seq_lengths: tuple[int, ...] | None = None
 
   def __post_init__(self):
     for name in ("batch", "q_len", "kv_len", "num_heads", "num_kv_heads",
@@ -76,6 +82,29 @@ class Case:
         raise ValueError(
             f"num_docs={self.num_docs} needs q_len == kv_len, a multiple of "
             f"num_docs; got q_len={self.q_len}, kv_len={self.kv_len}")
+    if self.seq_lengths is not None:
+      self._check_seq_lengths()
+
+  def _check_seq_lengths(self):
+    lengths = self.seq_lengths
+    try:
+      lengths = tuple(int(x) for x in lengths)
+    except (TypeError, ValueError):
+      raise ValueError(f"seq_lengths={lengths!r}: expected a tuple of ints "
+                       f"(one per batch row)") from None
+    # Stored as a tuple of ints so the frozen Case stays hashable.
+    object.__setattr__(self, "seq_lengths", lengths)
+    if self.q_len != self.kv_len:
+      raise ValueError(f"seq_lengths needs q_len == kv_len (one length for "
+                       f"queries and keys); got q_len={self.q_len}, "
+                       f"kv_len={self.kv_len}")
+    if len(lengths) != self.batch:
+      raise ValueError(f"seq_lengths={lengths} has {len(lengths)} values for "
+                       f"batch={self.batch} rows")
+    bad = [x for x in lengths if not 1 <= x <= self.q_len]
+    if bad:
+      raise ValueError(f"seq_lengths={lengths}: each must be in "
+                       f"[1, {self.q_len}], not {bad}")
 
   @property
   def mask_spec(self) -> MaskSpec:
@@ -84,7 +113,8 @@ class Case:
 
   @property
   def mask(self) -> str:
-    """A short label: "full", "causal", "causal+window(1024,0)", "docs8"..."""
+    """A short label: "full", "causal", "causal+window(1024,0)", "docs8",
+    "causal+lens(4096,3072,2048,1024)"... (also part of a result's key)."""
     parts = []
     if self.causal:
       parts.append("causal")
@@ -92,6 +122,8 @@ class Case:
       parts.append(f"window({self.window[0]},{self.window[1]})")
     if self.num_docs is not None:
       parts.append(f"docs{self.num_docs}")
+    if self.seq_lengths is not None:
+      parts.append(_lengths_tag(self.seq_lengths))
     return "+".join(parts) if parts else "full"
 
   @property
@@ -106,10 +138,24 @@ class Case:
     row = np.repeat(np.arange(self.num_docs, dtype=np.int32), doc_len)
     return np.broadcast_to(row, (self.batch, self.q_len)).copy()
 
+  def lengths(self) -> np.ndarray | None:
+    """(B,) int32 valid lengths of queries and keys, or None."""
+    if self.seq_lengths is None:
+      return None
+    return np.asarray(self.seq_lengths, dtype=np.int32)
+
   def label(self) -> str:
     return (f"B={self.batch} Tq={self.q_len} Tk={self.kv_len} "
             f"N={self.num_heads} K={self.num_kv_heads} D={self.head_dim} "
             f"{self.dtype} {self.mask}")
+
+
+def _lengths_tag(lengths: tuple[int, ...]) -> str:
+  """Every length for up to 4 rows, else the range and the sum: the mask
+  label keys results, so different lengths should read differently."""
+  if len(lengths) <= 4:
+    return f"lens({','.join(map(str, lengths))})"
+  return f"lens({min(lengths)}..{max(lengths)},sum={sum(lengths)})"
 
 
 def fa3_grid(dtypes: Iterable[str] = DTYPES,
@@ -146,17 +192,27 @@ def long_suite(dtypes: Iterable[str] = ("bfloat16",),
 def masks_suite(dtypes: Iterable[str] = ("bfloat16",), seq_len: int = 16384,
                 window: int = 1024, num_docs: int = 8,
                 suite: str = "masks") -> list[Case]:
-  """Causal (the yardstick), a causal window, packed documents."""
+  """Causal (the yardstick), a causal window, packed documents, padding.
+
+  The padding case has the same tokens as the others in 4x the rows of a
+  quarter of the length (B = 4, T = 4096 for seq_len = 16384), causal, with
+  valid lengths T, 3T/4, T/2, T/4 (repeated when there are more rows):
+  batched inference of prompts of unequal lengths.
+  """
   cases = []
+  batch = 16384 // seq_len if seq_len <= 16384 else 1
+  t = seq_len // 4
+  pattern = (t, 3 * t // 4, t // 2, t // 4)
   for dtype in dtypes:
-    base = dict(suite=suite, batch=16384 // seq_len if seq_len <= 16384 else 1,
-                q_len=seq_len, kv_len=seq_len, num_heads=16, num_kv_heads=16,
-                head_dim=128, dtype=dtype)
+    base = dict(suite=suite, batch=batch, q_len=seq_len, kv_len=seq_len,
+                num_heads=16, num_kv_heads=16, head_dim=128, dtype=dtype)
+    padded = dict(base, batch=4 * batch, q_len=t, kv_len=t)
     cases += [
         Case(**base, causal=True),
         Case(**base, causal=True, window=(window, 0)),
         Case(**base, causal=False, num_docs=num_docs),
         Case(**base, causal=True, num_docs=num_docs),
+        Case(**padded, causal=True, seq_lengths=pattern * batch),
     ]
   return cases
 

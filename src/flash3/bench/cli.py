@@ -59,6 +59,18 @@ def _window(text: str) -> tuple[int, int]:
   return left, right
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+  try:
+    lengths = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"--lengths {text!r}: expected comma-separated ints, one per batch "
+        f"row, e.g. 4096,3072,2048,1024") from None
+  if min(lengths) < 1:
+    raise argparse.ArgumentTypeError(f"--lengths {text!r}: must be >= 1")
+  return lengths
+
+
 def _shard(text: str) -> tuple[int, int]:
   try:
     index, count = (int(x) for x in text.split("/"))
@@ -123,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --shape: local window LEFT,RIGHT (inclusive)")
   p.add_argument("--docs", type=_positive_int, default=None,
                  help="with --shape: packed documents of equal length per row")
+  p.add_argument("--lengths", type=_lengths, default=None, metavar="L1,L2,...",
+                 help="with --shape (Tq == Tk): valid length of each batch "
+                      "row, queries and keys alike (right padding)")
   p.add_argument("--dtypes", type=_csv(DTYPES), default=None,
                  help="comma-separated subset of float16,bfloat16 "
                       "(default: the suite's)")
@@ -181,12 +196,19 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
   """The cases the arguments ask for. Raises ValueError for bad shapes."""
   if args.shape is not None:
     s = args.shape
-    return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"], s["D"],
-                 dtype, causal=args.causal, window=args.window,
-                 num_docs=args.docs)
-            for dtype in (args.dtypes or ("bfloat16",))]
-  if args.causal or args.window is not None or args.docs is not None:
-    raise ValueError("--causal, --window and --docs go with --shape")
+    try:
+      return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"],
+                   s["D"], dtype, causal=args.causal, window=args.window,
+                   num_docs=args.docs, seq_lengths=args.lengths)
+              for dtype in (args.dtypes or ("bfloat16",))]
+    except ValueError as e:
+      if "seq_lengths" in str(e):  # Name the flag the user typed.
+        raise ValueError(f"--lengths: {e}") from None
+      raise
+  if (args.causal or args.window is not None or args.docs is not None
+      or args.lengths is not None):
+    raise ValueError("--causal, --window, --docs and --lengths go with "
+                     "--shape")
   suite = "quick" if args.quick else args.suite
   cases = cases_lib.suite_cases(suite, args.dtypes)
   if args.seqlens is not None:
@@ -279,6 +301,18 @@ def skip_done(cases: list[Case], row_lists: list, impl_names: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
+  try:
+    code = _main(argv)
+    sys.stdout.flush()  # Inside the try: a closed pipe surfaces here, not at exit.
+    return code
+  except BrokenPipeError:
+    # The reader went away (e.g. `flash3-bench --list | head`): no traceback.
+    # Point stdout at devnull so the interpreter's final flush does not fail too.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _main(argv: list[str] | None) -> int:
   import time
   start = time.monotonic()
   args = parse(argv)

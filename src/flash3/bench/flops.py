@@ -8,7 +8,8 @@ forward+backward: 3.5x. Softmax, masking and rescaling are not counted.
 For plain causal attention with Tq == Tk the convention counts exactly half
 of the Tq*Tk pairs (not T(T+1)/2), as FlashAttention-3's and jax's benchmarks
 do, so numbers compare with theirs. Every other mask (windows, packed
-documents, Tq != Tk) counts the visible pairs exactly.
+documents, padding lengths, Tq != Tk) counts the visible pairs exactly: with
+lengths, query rows and keys past a batch row's length count nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ FACTORS = {"fwd": 1.0, "bwd": BACKWARD_FACTOR, "fwd+bwd": 1.0 + BACKWARD_FACTOR}
 
 def visible_pairs(q_len: int, kv_len: int, spec: MaskSpec,
                   q_segment_ids: np.ndarray | None = None,
-                  kv_segment_ids: np.ndarray | None = None) -> int:
+                  kv_segment_ids: np.ndarray | None = None,
+                  q_valid: int | None = None,
+                  kv_valid: int | None = None) -> int:
   """How many (query, key) pairs of one batch row and head are visible.
 
   Uses ``spec`` (causal, window, alignment) as flash3.visibility defines it,
-  intersected with "same segment id" when segment ids are given.
+  intersected with "same segment id" when segment ids are given, and with
+  "query i < q_valid and key j < kv_valid" when lengths are given.
 
   Args:
     q_len, kv_len: Tq and Tk.
@@ -35,6 +39,9 @@ def visible_pairs(q_len: int, kv_len: int, spec: MaskSpec,
     q_segment_ids: (Tq,) ints, or None.
     kv_segment_ids: (Tk,) ints, non-decreasing (packed documents lie in
       contiguous runs), or None. Given together with q_segment_ids.
+    q_valid, kv_valid: this row's valid query and key lengths (right
+      padding), or None for all of Tq, Tk. Either may be given alone; they
+      also set the bottom-right alignment's shift, as in flash3.
 
   Returns:
     The exact count, a Python int. O(Tq log Tk) time, no Tq x Tk array.
@@ -45,11 +52,17 @@ def visible_pairs(q_len: int, kv_len: int, spec: MaskSpec,
   """
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("give both q_segment_ids and kv_segment_ids, or neither")
+  q_valid = q_len if q_valid is None else int(q_valid)
+  kv_valid = kv_len if kv_valid is None else int(kv_valid)
+  if not (0 <= q_valid <= q_len and 0 <= kv_valid <= kv_len):
+    raise ValueError(f"q_valid={q_valid}, kv_valid={kv_valid} must lie in "
+                     f"[0, {q_len}] and [0, {kv_len}]")
   q = np.arange(q_len, dtype=np.int64)
-  shift = spec.shift(q_len, kv_len)
-  # Each query sees one contiguous interval [lo, hi) of keys.
+  shift = spec.shift(q_valid, kv_valid)
+  # Each query sees one contiguous interval [lo, hi) of keys; padding
+  # queries (i >= q_valid) an empty one.
   lo = np.zeros(q_len, np.int64)
-  hi = np.full(q_len, kv_len, np.int64)
+  hi = np.where(q < q_valid, kv_valid, 0).astype(np.int64)
   if spec.left is not None:
     lo = np.maximum(lo, q + shift - spec.left)
   if spec.right is not None:
@@ -72,16 +85,22 @@ def forward_flops(case) -> float:
   spec = case.mask_spec
   plain_causal_square = (case.causal and case.window is None
                          and case.num_docs is None
+                         and case.seq_lengths is None
                          and case.q_len == case.kv_len)
   if plain_causal_square:
     pairs_per_head = case.q_len * case.kv_len / 2
     return 4.0 * case.batch * case.num_heads * case.head_dim * pairs_per_head
   segment_ids = case.segment_ids()
-  if segment_ids is None:
+  lengths = case.lengths()
+  if segment_ids is None and lengths is None:
     pairs = visible_pairs(case.q_len, case.kv_len, spec) * case.batch
   else:
-    pairs = sum(visible_pairs(case.q_len, case.kv_len, spec, row, row)
-                for row in segment_ids)
+    pairs = 0
+    for b in range(case.batch):  # Rows differ: count each.
+      row = None if segment_ids is None else segment_ids[b]
+      valid = None if lengths is None else int(lengths[b])
+      pairs += visible_pairs(case.q_len, case.kv_len, spec, row, row,
+                             q_valid=valid, kv_valid=valid)
   return 4.0 * case.num_heads * case.head_dim * pairs
 
 

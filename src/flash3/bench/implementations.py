@@ -12,7 +12,10 @@
   ``import tokamax`` works.
 
 Packed documents go to the contenders without segment ids as a dense boolean
-mask (B, 1, T, T) built outside the timed function.
+mask (B, 1, T, T) built outside the timed function. Padding lengths go to
+each contender that takes them as query_seq_lengths and
+key_value_seq_lengths: one int32 (B,) array (the same for both), also built
+outside the timed function; jax-mgpu refuses them.
 
 A contender says what it cannot do by raising ``Unsupported``; anything it
 raises later (while tracing, compiling or running) is caught by the runner and
@@ -41,7 +44,7 @@ class Variant:
     label: what distinguishes it ("" when there is one way).
     fn: ``fn(q, k, v, *aux) -> o``, BTNH, traceable and differentiable in
       q, k, v.
-    aux: extra array arguments (segment ids or a dense mask).
+    aux: extra array arguments (segment ids, a dense mask, lengths).
     q_scale: the contender is fed ``q * q_scale`` (1.0 = plain q).
   """
 
@@ -64,6 +67,27 @@ def _dense_mask(case):
   return seg[:, None, :, None] == seg[:, None, None, :]
 
 
+LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
+
+
+def _with_aux(f, label: str, keywords: list[tuple[str, ...]], arrays: list
+              ) -> Variant:
+  """A Variant calling ``f(q, k, v, **kw)``, where aux array i is passed as
+  each keyword of ``keywords[i]`` (segment ids and lengths serve queries and
+  keys both)."""
+  def fn(q, k, v, *aux):
+    kwargs = {name: x for names, x in zip(keywords, aux) for name in names}
+    return f(q, k, v, **kwargs)
+  return Variant(label, fn, tuple(arrays))
+
+
+def _lengths_aux(case, keywords, arrays) -> None:
+  """Appends the case's lengths, if any, to a Variant's aux (in place)."""
+  if case.seq_lengths is not None:
+    keywords.append(LENGTHS)
+    arrays.append(jnp.asarray(case.lengths()))
+
+
 # ----- flash3 -----------------------------------------------------------------
 
 def _flash3_unavailable():
@@ -78,13 +102,12 @@ def _flash3_variants(case, tune):
   import flash3
   f = functools.partial(flash3.dot_product_attention, is_causal=case.causal,
                         local_window_size=case.window, implementation="mosaic")
-  if case.num_docs is None:
-    return [Variant("", f)]
-
-  def with_segments(q, k, v, seg):
-    return f(q, k, v, query_segment_ids=seg, key_value_segment_ids=seg)
-
-  return [Variant("", with_segments, (jnp.asarray(case.segment_ids()),))]
+  keywords, arrays = [], []
+  if case.num_docs is not None:
+    keywords.append(("query_segment_ids", "key_value_segment_ids"))
+    arrays.append(jnp.asarray(case.segment_ids()))
+  _lengths_aux(case, keywords, arrays)
+  return [_with_aux(f, "", keywords, arrays)]
 
 
 # ----- jax.nn: cuDNN and XLA --------------------------------------------------
@@ -93,10 +116,19 @@ def _jax_nn_variants(case, implementation):
   f = functools.partial(jax.nn.dot_product_attention, is_causal=case.causal,
                         local_window_size=case.window,
                         implementation=implementation)
-  if case.num_docs is None:
-    return [Variant("", f)]
-  return [Variant("dense mask", lambda q, k, v, mask: f(q, k, v, mask=mask),
-                  (_dense_mask(case),))]
+  return [_jax_nn_like(f, case)]
+
+
+def _jax_nn_like(f, case) -> Variant:
+  """The Variant of a function with jax.nn's arguments: packed documents as
+  a dense mask, lengths as both sequence lengths."""
+  keywords, arrays = [], []
+  if case.num_docs is not None:
+    keywords.append(("mask",))
+    arrays.append(_dense_mask(case))
+  _lengths_aux(case, keywords, arrays)
+  label = "dense mask" if case.num_docs is not None else ""
+  return _with_aux(f, label, keywords, arrays)
 
 
 def _cudnn_variants(case, tune):
@@ -150,6 +182,8 @@ def _mgpu_variants(case, tune):
     raise Unsupported("float16 only (its shared-memory scratch is float16)")
   if case.window is not None or case.num_docs is not None:
     raise Unsupported("no windows or segment ids")
+  if case.seq_lengths is not None:
+    raise Unsupported("no padding lengths")
   if case.causal and case.q_len != case.kv_len:
     raise Unsupported("causal needs Tq == Tk")
   from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
@@ -181,9 +215,11 @@ def _tokamax_unavailable():
 
 
 # tokamax 0.0.17's dot_product_attention takes jax.nn's arguments (BTNH, mask=,
-# is_causal=, local_window_size=(left, right)); "mosaic" picks its Mosaic GPU
-# kernel on an NVIDIA device and raises NotImplementedError rather than fall
-# back. The tests set "xla" to check these arguments on a CPU.
+# is_causal=, local_window_size=(left, right), and query_seq_lengths= and
+# key_value_seq_lengths= as (B,) ints, which become its mask's q_end and
+# k_end); "mosaic" picks its Mosaic GPU kernel on an NVIDIA device and raises
+# NotImplementedError rather than fall back. The tests set "xla" to check
+# these arguments on a CPU.
 TOKAMAX_IMPLEMENTATION = "mosaic"
 
 
@@ -193,10 +229,7 @@ def _tokamax_variants(case, tune):
   f = functools.partial(tokamax.dot_product_attention, is_causal=case.causal,
                         local_window_size=case.window,
                         implementation=TOKAMAX_IMPLEMENTATION)
-  if case.num_docs is None:
-    return [Variant("", f)]
-  return [Variant("dense mask", lambda q, k, v, mask: f(q, k, v, mask=mask),
-                  (_dense_mask(case),))]
+  return [_jax_nn_like(f, case)]
 
 
 IMPLEMENTATIONS = {

@@ -37,6 +37,17 @@ def figure_groups(results: Iterable[Result]) -> dict[tuple, list[Result]]:
   return dict(groups)
 
 
+# One colour per contender in every panel and figure (matplotlib's default
+# cycle would restart per panel, so one colour would mean different contenders).
+_KNOWN_IMPLS = ("cudnn", "flash3", "jax-mgpu", "tokamax", "xla")
+
+
+def impl_color(impl: str, impls: list[str]) -> str:
+  """A stable "C<i>" colour: known contenders by their fixed rank, others after."""
+  order = list(_KNOWN_IMPLS) + sorted(i for i in impls if i not in _KNOWN_IMPLS)
+  return f"C{order.index(impl) % 10}"
+
+
 def plot(results: Iterable[Result], out_dir: str, env: dict | None = None
          ) -> list[str]:
   """Write one PNG per (suite, dtype, mode) into ``out_dir``; return paths."""
@@ -63,7 +74,7 @@ def plot(results: Iterable[Result], out_dir: str, env: dict | None = None
         pts = sorted((r.q_len, r.tflops) for r in panels[key] if r.impl == impl)
         if pts:
           ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                  label=impl)
+                  label=impl, color=impl_color(impl, impls))
       ax.set_xscale("log", base=2)
       ax.set_title(_panel_title(key), fontsize=10)
       ax.set_xlabel("sequence length T")

@@ -12,6 +12,11 @@ with the last key-value head. Attention of one (batch row, key-value head
 group) depends on nothing else, gradients included, so the slices are exact.
 Queries are processed in chunks under ``jax.checkpoint`` so memory stays
 O(chunk * Tk), and T = 131072 fits.
+
+With padding lengths (``Case.seq_lengths``) a slice's reference applies its
+batch row's length: query rows past it see no key (output 0, dq 0, as in
+docs/semantics.md section 3) and keys past it are invisible (dk, dv 0). The
+check compares only the valid rows, though (see ``check``).
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ FACTOR = 3.0
 CHUNK_BYTES = 1 << 30
 
 
-def _attend_chunk(q, k, v, q_pos, q_seg, kv_seg, *, spec, scale, q_len,
-                  kv_len, dtype):
+def _attend_chunk(q, k, v, q_pos, q_seg, kv_seg, q_lengths, kv_lengths, *,
+                  spec, scale, q_len, kv_len, dtype):
   """Attention of one query chunk against all keys; rows seeing no key -> 0.
 
   q: (B, C, N, D); k, v: (B, Tk, K, D); q_pos: (C,) absolute query positions;
-  q_seg: (B, C) or None; kv_seg: (B, Tk) or None. Scores and probabilities are
+  q_seg: (B, C) or None; kv_seg: (B, Tk) or None; q_lengths, kv_lengths: (B,)
+  valid lengths (right padding) or None. Scores and probabilities are
   rounded to ``dtype`` (the "same math in the input dtype" when it is 16-bit),
   matmuls accumulate in float32.
   """
@@ -48,9 +54,21 @@ def _attend_chunk(q, k, v, q_pos, q_seg, kv_seg, *, spec, scale, q_len,
                  precision=jax.lax.Precision.HIGHEST)
   s = (s * scale).astype(dtype).astype(jnp.float32)
   k_pos = jnp.arange(kv_len, dtype=jnp.int32)
-  keep = spec.visible(q_pos[:, None], k_pos[None, :], spec.shift(q_len, kv_len))
-  keep = keep & (q_pos[:, None] < q_len)  # The last chunk's padding rows.
-  keep = keep[None]
+  if q_lengths is None and kv_lengths is None:
+    keep = spec.visible(q_pos[:, None], k_pos[None, :],
+                        spec.shift(q_len, kv_len))
+    keep = keep & (q_pos[:, None] < q_len)  # The last chunk's padding rows.
+    keep = keep[None]
+  else:  # Per batch row: its valid lengths, which also set the alignment.
+    q_valid = (jnp.full((b,), q_len, jnp.int32) if q_lengths is None
+               else q_lengths.astype(jnp.int32))
+    kv_valid = (jnp.full((b,), kv_len, jnp.int32) if kv_lengths is None
+                else kv_lengths.astype(jnp.int32))
+    shift = spec.shift(q_valid, kv_valid)
+    shift = shift[:, None, None] if not isinstance(shift, int) else shift
+    keep = spec.visible(q_pos[None, :, None], k_pos[None, None, :], shift)
+    keep = (keep & (q_pos[None, :, None] < q_valid[:, None, None])
+            & (k_pos[None, None, :] < kv_valid[:, None, None]))
   if q_seg is not None:
     keep = keep & (q_seg[:, :, None] == kv_seg[:, None, :])
   keep = keep[:, None, None]  # (B or 1, 1, 1, C, Tk)
@@ -73,11 +91,14 @@ def chunk_len(batch: int, num_heads: int, q_len: int, kv_len: int,
   return int(max(16, min(q_len, rows)))
 
 
-def attention(q, k, v, q_seg=None, kv_seg=None, *, spec: MaskSpec,
-              scale: float, dtype=jnp.float32):
+def attention(q, k, v, q_seg=None, kv_seg=None, q_lengths=None,
+              kv_lengths=None, *, spec: MaskSpec, scale: float,
+              dtype=jnp.float32):
   """Chunked reference attention, BTNH layout, float32 result.
 
-  q: (B, Tq, N, D); k, v: (B, Tk, K, D); segment ids (B, Tq), (B, Tk) or None.
+  q: (B, Tq, N, D); k, v: (B, Tk, K, D); segment ids (B, Tq), (B, Tk) or None;
+  lengths (B,) ints or None: query rows at or past ``q_lengths[b]`` see no key
+  (output 0), keys at or past ``kv_lengths[b]`` are hidden.
   Differentiable (each chunk is rematerialised in the backward).
   """
   b, q_len, n, d = q.shape
@@ -100,7 +121,7 @@ def attention(q, k, v, q_seg=None, kv_seg=None, *, spec: MaskSpec,
   def one(args):
     q_chunk, q_pos, seg = args
     return body(q_chunk, k, v, q_pos, seg if q_seg is not None else None,
-                kv_seg)
+                kv_seg, q_lengths, kv_lengths)
 
   o = jax.lax.map(one, (qp, pos, segp))  # (chunks, B, C, N, D)
   o = o.swapaxes(0, 1).reshape(b, num_chunks * c, n, d)
@@ -172,7 +193,8 @@ class Program:
 
   modes: tuple[str, ...]
   statics: dict  # _references' static arguments.
-  calls: list  # Per slice: _references' arguments (args, do, q_seg, kv_seg).
+  # Per slice: _references' arguments (args, do, q_seg, kv_seg, lengths).
+  calls: list
   compiled: list | None = None  # Per slice, once compiled.
 
 
@@ -183,11 +205,14 @@ def program(case, modes, q, k, v, do, segment_ids) -> Program:
     if mode not in ("fwd", "fwd+bwd"):
       raise ValueError(f"mode={mode!r}: expected 'fwd' or 'fwd+bwd'")
   group = case.num_heads // case.num_kv_heads
+  lengths = case.lengths()
   calls = []
   for sl in slices(case):
     seg = None if segment_ids is None else segment_ids[sl.b:sl.b + 1]
+    # An array, not a static: both slices share one executable.
+    lens = None if lengths is None else jnp.asarray(lengths[sl.b:sl.b + 1])
     calls.append(((sl.of_q(q, group), sl.of_kv(k), sl.of_kv(v)),
-                  sl.of_q(do, group), seg, seg))
+                  sl.of_q(do, group), seg, seg, lens))
   statics = dict(with_grads="fwd+bwd" in modes, spec=case.mask_spec,
                  scale=case.scale, dtype=jnp.dtype(case.dtype))
   return Program(tuple(modes), statics, calls)
@@ -241,14 +266,17 @@ def expected(case, mode: str, q, k, v, do, segment_ids) -> Expected:
 
 @functools.partial(jax.jit, static_argnames=("with_grads", "spec", "scale",
                                              "dtype"))
-def _references(args, do, q_seg, kv_seg, *, with_grads, spec, scale, dtype):
+def _references(args, do, q_seg, kv_seg, lengths, *, with_grads, spec, scale,
+                dtype):
   """({name: float32 array} computed in float32, the same in ``dtype``).
 
   Names: "o", and "dq", "dk", "dv" (for the cotangent ``do``) with grads.
+  ``lengths``: (B,) valid lengths of queries and keys alike, or None.
   """
   out = []
   for compute in (jnp.float32, dtype):
-    f = functools.partial(attention, q_seg=q_seg, kv_seg=kv_seg, spec=spec,
+    f = functools.partial(attention, q_seg=q_seg, kv_seg=kv_seg,
+                          q_lengths=lengths, kv_lengths=lengths, spec=spec,
                           scale=scale, dtype=compute)
     if not with_grads:
       out.append({"o": f(*args)})
@@ -268,16 +296,26 @@ def check(case, exp: Expected, outputs: tuple, q_grad_scale: float = 1.0
     outputs: (o,) for "fwd", (dq, dk, dv) for "fwd+bwd", full shapes.
     q_grad_scale: multiplies dq first (for contenders fed a pre-scaled q).
 
+  With padding lengths only the valid rows are compared (o and dq rows, dk
+  and dv keys before the batch row's length), for every contender alike:
+  jax.nn.dot_product_attention documents nothing for the padded rows, and
+  cuDNN does not promise to write them, so they may hold anything (NaN
+  included); flash3's own tests cover its zeros there (docs/semantics.md
+  section 3).
+
   Returns:
     (passed, worst error / tolerance ratio, a short description).
   """
   group = case.num_heads // case.num_kv_heads
+  lengths = case.seq_lengths
   worst, detail = 0.0, ""
   for name, out in zip(exp.names, outputs):
     if name == "dq" and q_grad_scale != 1.0:
       out = out.astype(jnp.float32) * q_grad_scale
     for sl, ref in zip(slices(case), exp.values[name]):
       got = sl.of_kv(out) if name in ("dk", "dv") else sl.of_q(out, group)
+      if lengths is not None:  # Axis 1 is Tq or Tk; both have the length.
+        got, ref = got[:, :lengths[sl.b]], ref[:, :lengths[sl.b]]
       got = got.astype(jnp.float32)
       if not bool(jnp.all(jnp.isfinite(got))):
         return False, math.inf, f"{name} has NaN or Inf"
@@ -290,7 +328,13 @@ def check(case, exp: Expected, outputs: tuple, q_grad_scale: float = 1.0
 
 
 def random_inputs(case, seed: int = 0):
-  """q, k, v, do (standard normal, in the case's dtype) and segment ids."""
+  """q, k, v, do (standard normal, in the case's dtype) and segment ids.
+
+  With padding lengths, ``do`` is 0 on the padded query rows, as a training
+  loss that ignores padding gives: what a contender puts in those rows (0,
+  the mean of v, anything) then cannot reach dk and dv through ``do``, so
+  the valid rows compare alike whatever its convention for padding.
+  """
   keys = jax.random.split(jax.random.key(seed), 4)
   dtype = jnp.dtype(case.dtype)
   q_shape = (case.batch, case.q_len, case.num_heads, case.head_dim)
@@ -299,5 +343,9 @@ def random_inputs(case, seed: int = 0):
   k = jax.random.normal(keys[1], kv_shape, dtype)
   v = jax.random.normal(keys[2], kv_shape, dtype)
   do = jax.random.normal(keys[3], q_shape, dtype)
+  lengths = case.lengths()
+  if lengths is not None:
+    valid = jnp.arange(case.q_len)[None, :] < jnp.asarray(lengths)[:, None]
+    do = jnp.where(valid[:, :, None, None], do, jnp.zeros((), dtype))
   seg = case.segment_ids()
   return q, k, v, do, (None if seg is None else jnp.asarray(seg))
