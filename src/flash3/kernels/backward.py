@@ -117,7 +117,8 @@ class BackwardConfig:
       float32 sums depend on the order CTAs arrive in, so dq is not bitwise
       reproducible (dk, dv still are). Needs ``split_dkv`` off and
       ``block_q_dkv`` 64. Interpret mode writes per-CTA partial sums instead
-      and adds them in XLA (its TMA has no reduce-add).
+      and adds them in XLA (its TMA has no reduce-add). Opt-in and not yet
+      run on a GPU (2026-12-01: interpret-mode tests and CUDA lowering only).
   """
 
   block_q_dq: int = 64
