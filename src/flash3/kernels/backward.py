@@ -64,6 +64,8 @@ Limitations (today):
   XLA); rows hidden by causal, a window or segment ids are not.
 * Two kernels recompute s and dp (7 matmuls per tile pair against
   FlashAttention-3's 5 with atomic dq): the price of bitwise determinism.
+  ``BackwardConfig(deterministic=False)`` (opt-in, D <= 128) is the 5-matmul
+  variant: the dk/dv kernel alone, adding dq += ds k with TMA reduce-add.
 """
 
 from __future__ import annotations
