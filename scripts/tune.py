@@ -64,10 +64,23 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
   return out
 
 
-def _bwd_candidates(D, causal):
+def _bwd_candidates(D, causal, nondeterministic=False):
+  """Backward configs that fit; with ``nondeterministic`` only the single-kernel
+  variants (BackwardConfig.deterministic=False: dq by TMA reduce-add), beside
+  the heuristic's deterministic config for reference."""
   from flash3.kernels.backward import BackwardConfig
   from flash3.visibility import MaskSpec
   base = BackwardConfig.heuristic(D, 4096, 4096, MaskSpec(causal=causal))
+  if nondeterministic:
+    if D > 128:  # dk and dv float32 (64, 256) tiles: no registers for dq too.
+      return [base]
+    fused = dataclasses.replace(base, split_dkv=False, block_q_dkv=64,
+                                deterministic=False)
+    cands = [base]
+    for kw in (dict(), dict(num_stages=3), dict(fuse_matmuls=True),
+               dict(compute_wgs_dkv=1), dict(num_stages=1)):
+      cands.append(dataclasses.replace(fused, **kw))
+    return _fitting(cands, D)
   cands = [base, dataclasses.replace(base, fuse_matmuls=True)]
   if causal:
     cands.append(dataclasses.replace(base, reverse_q_tiles=True))
@@ -78,6 +91,10 @@ def _bwd_candidates(D, causal):
   else:
     for kw in (dict(num_stages=3), dict(split_dkv=False, block_q_dkv=64, num_stages=1)):
       cands.append(dataclasses.replace(base, **kw))
+  return _fitting(cands, D)
+
+
+def _fitting(cands, D):
   ok = []
   for c in cands:
     try:
@@ -190,6 +207,9 @@ def main():
                   help="fwd: values of block_kv to sweep")
   ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4],
                   help="fwd: values of num_stages to sweep")
+  ap.add_argument("--nondeterministic", action="store_true",
+                  help="bwd: the single-kernel backward (dq by TMA reduce-add) "
+                       "variants beside the default")
   ap.add_argument("--jobs", type=int, default=8)
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--time-budget", type=float, default=300)
@@ -203,7 +223,7 @@ def main():
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages))
     else:
-      cands = _bwd_candidates(D, bool(causal))
+      cands = _bwd_candidates(D, bool(causal), args.nondeterministic)
     tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)
               for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)

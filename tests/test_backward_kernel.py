@@ -15,6 +15,7 @@ Set FLASH3_FULL_GRID=1 to run issue 4's whole cross product on the GPU
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -1131,3 +1132,116 @@ def test_segment_tile_plans_cover_mask_and_skip(mask):
       _check_plan(plan, (t_lo, a, b, t_hi), None, rows, 64, cols_len)
     # 8 x 8 tiles in all; the four documents leave at most 2 * 8 + 8 visible.
     assert visited <= 24, visited
+
+
+# ----------------------------------------------------------------------------
+# The single-kernel backward (BackwardConfig.deterministic=False): dq formed in
+# the dk/dv kernel and added by TMA reduce-add (partial sums in interpret mode).
+# ----------------------------------------------------------------------------
+
+FUSED = BackwardConfig(block_q_dkv=64, num_stages=2, deterministic=False)
+
+
+def test_fused_config_rules():
+  with pytest.raises(ValueError, match="deterministic"):
+    BackwardConfig(split_dkv=True, deterministic=False)
+  with pytest.raises(ValueError, match="block_q_dkv"):
+    BackwardConfig(block_q_dkv=128, deterministic=False)
+  with pytest.raises(ValueError, match="deterministic"):
+    BackwardConfig(deterministic=0)
+  # The dsT and float32 dq tiles count against the dk/dv kernel's shared memory.
+  assert FUSED.smem_bytes(128)[1] == (
+      BackwardConfig(block_q_dkv=64, num_stages=2).smem_bytes(128)[1]
+      + 2 * (64 * 64 * 2 + 64 * 128 * 4))
+
+
+FUSED_CASES = [
+    # B, Tq, Tk, N, K, D, dtype, mask
+    (1, 136, 200, 2, 1, 64, BF16, CAUSAL_BR),
+    (2, 96, 130, 4, 2, 128, F16, CAUSAL_TL),          # GQA 2, D 128, batch 2
+    (1, 77, 190, 3, 1, 64, BF16, NO_MASK),            # GQA 3, ragged tails
+    (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10)),
+    (1, 5, 3, 1, 1, 64, BF16, CAUSAL_BR),             # tiny, dead rows
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", FUSED_CASES)
+def test_interpret_fused_backward_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
+  q, k, v, do, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, config=FUSED,
+                                    interpret=True, seed=Tq + 3 * Tk)
+  # dk and dv come from the same code as the two-kernel backward: bitwise equal.
+  two = dataclasses.replace(FUSED, deterministic=True)
+  _, dk2, dv2 = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=two,
+                            interpret=True)
+  np.testing.assert_array_equal(np.asarray(dk, np.float32), np.asarray(dk2, np.float32))
+  np.testing.assert_array_equal(np.asarray(dv, np.float32), np.asarray(dv2, np.float32))
+  dead = dead_query_rows(mask, Tq, Tk)
+  if dead.any():  # Rows that see no key: dq exactly 0.
+    assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
+
+
+@pytest.mark.interpret
+def test_interpret_fused_backward_with_options():
+  check_opts(2, 200, 230, 4, 2, 64, BF16, CAUSAL_BR, interpret=True, config=FUSED,
+             softcap=2.0, q_lengths=[200, 57], kv_lengths=[150, 230],
+             q_segment_ids=[_packed(120, 80), _packed(200)],
+             kv_segment_ids=[_packed(130, 100), _packed(230)])
+
+
+@pytest.mark.interpret
+def test_interpret_fused_backward_no_races():
+  q, k, v, do = make_inputs(jax.random.key(5), 1, 200, 136, 2, 1, 64, BF16)
+  mask = CAUSAL_BR
+  o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=mask)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  grads = attention_backward(q, k, v, o, lse, do, scale=0.125, mask=mask,
+                             config=FUSED, interpret=params)
+  jax.block_until_ready(grads)
+  assert not interpret_pallas_call.get_races().races_found, "race in the fused backward"
+  assert_grads_match(grads, q, k, v, do, scale=0.125, mask=mask)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_backward_lowers_for_the_gpu_with_reduce_add(D):
+  q, k, v, do = make_inputs(jax.random.key(0), 2, 300, 260, 4, 2, D, BF16)
+  o, lse = q, jnp.zeros((2, 4, 300), jnp.float32)
+  f = functools.partial(attention_backward, scale=0.1, mask=CAUSAL_BR, config=FUSED)
+  text = jax.jit(f).trace(q, k, v, o, lse, do).lower(
+      lowering_platforms=("cuda",)).as_text()
+  # One Mosaic GPU call (no dq kernel), whose TMA stores reduce-add into dq.
+  assert text.count("mosaic_gpu_v2") == 1
+  assert "cp.reduce.async.bulk.tensor" in text and ".add." in text
+
+
+FUSED_GPU_CASES = [
+    # B, Tq, Tk, N, K, D, dtype, mask
+    (1, 1024, 1024, 8, 1, 64, F16, CAUSAL_BR),       # GQA 8
+    (1, 1023, 1024, 7, 1, 128, BF16, CAUSAL_TL),     # GQA 7, ragged
+    (2, 4224, 4224, 4, 4, 128, BF16, NO_MASK),
+    (1, 799, 3, 2, 2, 64, F16, NO_MASK),
+    (1, 4092, 4092, 4, 2, 128, F16, CAUSAL_BR),
+    (1, 2000, 2000, 2, 1, 128, BF16, W(window_left=300, window_right=0)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", FUSED_GPU_CASES)
+def test_gpu_fused_backward(B, Tq, Tk, N, K, D, dtype, mask):
+  q, k, v, do, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, config=FUSED,
+                                    seed=Tq + Tk)
+  # dk, dv are still bitwise reproducible; dq's float32 sums are not, but stay
+  # within the same tolerance run to run.
+  dq2, dk2, dv2 = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=FUSED)
+  np.testing.assert_array_equal(np.asarray(dk, np.float32), np.asarray(dk2, np.float32))
+  np.testing.assert_array_equal(np.asarray(dv, np.float32), np.asarray(dv2, np.float32))
+  assert_grads_match((dq2, dk2, dv2), q, k, v, do, scale=D ** -0.5, mask=mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lengths_causal_br", "softcap_lengths_gqa",
+                                  "segments_window_lengths"])
+def test_gpu_fused_backward_options(name):
+  B, Tq, Tk, N, K, mask, opts = GPU_OPTION_CASES[name]
+  check_opts(B, Tq, Tk, N, K, 128, BF16, mask, interpret=False, config=FUSED,
+             seed=Tq, **opts)

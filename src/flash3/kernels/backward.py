@@ -64,6 +64,8 @@ Limitations (today):
   XLA); rows hidden by causal, a window or segment ids are not.
 * Two kernels recompute s and dp (7 matmuls per tile pair against
   FlashAttention-3's 5 with atomic dq): the price of bitwise determinism.
+  ``BackwardConfig(deterministic=False)`` (opt-in, D <= 128) is the 5-matmul
+  variant: the dk/dv kernel alone, adding dq += ds k with TMA reduce-add.
 """
 
 from __future__ import annotations
@@ -110,6 +112,15 @@ class BackwardConfig:
       Off by default: not yet measured or run on a GPU.
     reverse_q_tiles: launch the dq kernel's query tiles last-first (see
       ``common.grid_index``).
+    deterministic: True (default): the two-kernel backward, bitwise
+      reproducible. False: no dq kernel; the dk/dv kernel also forms
+      dq += ds k per tile and adds it into a float32 dq with TMA reduce-add
+      stores (FlashAttention-3's 5 matmuls per tile pair instead of 7), whose
+      float32 sums depend on the order CTAs arrive in, so dq is not bitwise
+      reproducible (dk, dv still are). Needs ``split_dkv`` off and
+      ``block_q_dkv`` 64. Interpret mode writes per-CTA partial sums instead
+      and adds them in XLA (its TMA has no reduce-add). Opt-in and not yet
+      run on a GPU (2026-12-01: interpret-mode tests and CUDA lowering only).
   """
 
   block_q_dq: int = 64
@@ -122,6 +133,7 @@ class BackwardConfig:
   split_dkv: bool = False
   fuse_matmuls: bool = False
   reverse_q_tiles: bool = False
+  deterministic: bool = True
 
   def __post_init__(self):
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -129,8 +141,13 @@ class BackwardConfig:
     check_multiple("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
     check_multiple("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
-    for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles"):
+    for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic"):
       check_bool(name, getattr(self, name))
+    if not self.deterministic and (self.split_dkv or self.block_q_dkv != 64):
+      raise ValueError(
+          f"deterministic=False needs split_dkv=False and block_q_dkv=64 (one "
+          f"float32 (64, D) dq tile per warpgroup); got split_dkv={self.split_dkv}, "
+          f"block_q_dkv={self.block_q_dkv}")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2,
                  interpret: bool = False) -> tuple[int, int]:
@@ -147,6 +164,8 @@ class BackwardConfig:
     dkv += s * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
     if interpret:
       dkv += w * bk * bq * itemsize  # pT / dsT staging
+    if not self.deterministic:
+      dkv += w * (bk * bq * itemsize + bq * head_dim * 4)  # dsT, float32 dq tile
     return (dq + _SMEM_RESERVED_BYTES, dkv + _SMEM_RESERVED_BYTES)
 
   def check_fits(self, head_dim: int, itemsize: int = 2,
@@ -507,8 +526,15 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
 def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
               interpret, outputs: tuple[str, ...], release_early: bool = False,
-              lengths=None, segments=None, softcap=None):
+              lengths=None, segments=None, softcap=None, dq_mode=None):
   """Returns dk and/or dv (``outputs`` names which) in the input dtype.
+
+  ``dq_mode`` (``BackwardConfig.deterministic`` False): also returns the
+  unscaled float32 sum of ds @ k over all keys, (B, Tq buffer, N, D): "atomic"
+  adds each tile's part into one zeroed float32 array with TMA reduce-add
+  stores (GPU); "partials" stores each warpgroup's part into its own slice of
+  a zeroed (B, kv tiles * warpgroups, Tq, N, D) and sums those in XLA
+  (interpret mode, whose TMA has no reduce-add).
 
   q_len, kv_len are the true lengths; the arrays may be longer (padded).
   ``lengths``, ``segments`` as in ``_dq_call``, the segment ranges here being
@@ -526,13 +552,24 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staged = not common.uses_register_operands(interpret)
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  if dq_mode is not None and not (want_dk and want_dv and bq == 64):
+    raise ValueError("the dq of the dk/dv kernel needs dk and dv together and "
+                     f"block_q_dkv=64; got outputs={outputs}, block_q_dkv={bq}")
   extra = ((*lengths,) if lengths is not None else ()) + (
       (*segments,) if segments is not None else ())
+  # dq's float32 accumulator: a zeroed mutable array the kernel closes over
+  # (Pallas passes it in and aliases it to an output), made inside ``run``
+  # below so it is a traced value under jit. "atomic": every CTA adds into one
+  # (B, Tq, N, D); "partials": each warpgroup writes its own slice of
+  # (B, kv tiles * warpgroups, Tq, N, D) (tiles it skips stay 0).
+  dq_refs = {}
+  n_out = len(outputs)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
     extra_refs, rest = rest[:len(extra)], rest[len(extra):]
-    out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
+    out_refs, rest = rest[:n_out], rest[n_out:]
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
+     ds_smem2, dq_stage2,
      k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed) = rest
     b = lax.axis_index("batch")
     lens, seg_refs = _split_extras(extra_refs, lengths is not None,
@@ -578,7 +615,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
-      def step(t, carry, head_base, masked: bool):
+      def step(t, carry, head_base, g, masked: bool):
         dk, dv = carry
         slot = slot_of(head_base + t - cta_lo)
         q_smem, do_smem = q_ring.at[slot], do_ring.at[slot]
@@ -626,6 +663,12 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
             dsT = jnp.where(keep, dsT, 0.0)
           dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
                                               staging=staging)
+          if dq_mode is not None:
+            _add_dq_tile(dsT.astype(dtype), ds_smem2.at[wg], dq_stage2.at[wg],
+                         k_smem, (b, pl.ds(t * bq, bq), kv_head * group + g),
+                         dq_acc=dq_refs.get("atomic"),
+                         dq_parts=dq_refs.get("partials"),
+                         slot=lax.axis_index("kv_tiles") * wgs + wg)
         if not (release_early and want_dk):
           plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
@@ -635,11 +678,11 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         slot_in_head = lambda t: slot_of(base + t - cta_lo)
         _drain_loop(cta_lo, t_lo, slot_in_head, ready, consumed)
         carry = lax.fori_loop(t_lo, a, functools.partial(
-            step, head_base=base, masked=True), carry)
+            step, head_base=base, g=g, masked=True), carry)
         carry = lax.fori_loop(a, b_full, functools.partial(
-            step, head_base=base, masked=False), carry)
+            step, head_base=base, g=g, masked=False), carry)
         carry = lax.fori_loop(b_full, t_hi, functools.partial(
-            step, head_base=base, masked=True), carry)
+            step, head_base=base, g=g, masked=True), carry)
         _drain_loop(t_hi, cta_hi, slot_in_head, ready, consumed)
         return carry
 
@@ -704,18 +747,25 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staging = (plgpu.SMEM((wgs, bk, bq), dtype,
                         transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
              if staged else None)
+  fused = dq_mode is not None
   scratch = [
       tile(wgs, bk, head_dim), tile(wgs, bk, head_dim),
       tile(stages, bq, head_dim), tile(stages, bq, head_dim),
       plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
       staging,
+      # dsT, the left operand (transposed) of dq += ds @ k, and the float32
+      # dq tile a TMA store reads.
+      plgpu.SMEM((wgs, bk, bq), dtype,
+                 transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
+      if fused else None,
+      plgpu.SMEM((wgs, bq, head_dim), jnp.float32) if fused else None,
       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in outputs]
-  return plgpu.kernel(
+  call = plgpu.kernel(
       kernel,
       out_type=out_type,
       scratch_types=scratch,
@@ -725,7 +775,42 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, do, lse2, delta, *extra)
+  )
+  if dq_mode is None:
+    return call(q, k, v, do, lse2, delta, *extra)
+
+  def run(*args):
+    rows = (batch, q.shape[1], num_heads, head_dim)
+    if dq_mode == "partials":
+      rows = (batch, num_kv_tiles * wgs) + rows[1:]
+    dq_refs[dq_mode] = jax.new_ref(jnp.zeros(rows, jnp.float32))
+    results = call(*args)
+    dq = dq_refs.pop(dq_mode)[...]
+    return (*results, dq if dq_mode == "atomic" else dq.sum(axis=1))
+  return jax.jit(run)(q, k, v, do, lse2, delta, *extra)
+
+
+def _add_dq_tile(ds, ds_smem, dq_stage, k_smem, rows, *, dq_acc, dq_parts, slot):
+  """dq[rows] += ds^T @ k for one (key tile, query tile) pair, float32.
+
+  ``ds`` is dsT (keys x queries) in registers; it goes through shared memory
+  to be the transposed left operand. The product is staged in ``dq_stage``
+  and stored by TMA: a reduce-add into ``dq_acc`` (GPU), or a plain store
+  into this warpgroup's own slice ``slot`` of ``dq_parts`` (interpret
+  mode). The previous tile's store must have read ``dq_stage`` first.
+  """
+  ds_smem[...] = ds
+  plgpu.commit_smem()
+  part = common.matmul_smem(ds_smem.transpose((1, 0)), k_smem,
+                            (ds.shape[1], k_smem.shape[1]))
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  dq_stage[...] = part
+  plgpu.commit_smem()
+  if dq_acc is not None:
+    plgpu.copy_smem_to_gmem(dq_stage, dq_acc.at[rows], reduction_op="add")
+  else:
+    b, q_rows, h = rows
+    plgpu.copy_smem_to_gmem(dq_stage, dq_parts.at[b, slot, q_rows, h])
 
 
 # ---------------------------------------------------------------------------
@@ -877,6 +962,13 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   dq_segments = dkv_segments = None
   if extras["segments"] is not None:
     dq_segments, dkv_segments = _segment_inputs(*extras["segments"], config)
+  if not config.deterministic:
+    kwargs["segments"] = dkv_segments
+    mode = "partials" if common.is_interpret(interpret) else "atomic"
+    dk, dv, dq = _dkv_call(q, k, v, do, lse2, delta, outputs=("dk", "dv"),
+                           dq_mode=mode, **kwargs)
+    dq = (dq * scale).astype(q.dtype)
+    return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
   dq = _dq_call(q, k, v, do, lse2, delta, segments=dq_segments, **kwargs)
   kwargs["segments"] = dkv_segments
   if config.split_dkv:
