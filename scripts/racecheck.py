@@ -2,7 +2,8 @@
 
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
-then the persistent forward (plain, causal) with 2 CTAs looping over the work items.
+then the persistent forward (plain, causal) with 2 CTAs looping over the work items,
+and the single-kernel backward (dq by TMA reduce-add).
 """
 import jax
 import jax.numpy as jnp
@@ -45,3 +46,13 @@ for name, mask in {"persistent plain": MaskSpec(),
                          reverse_q_tiles=base.reverse_q_tiles, persistent=True, num_sms=2)
   o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
   print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+# The single-kernel backward (opt-in, BackwardConfig(deterministic=False)): dq by
+# TMA reduce-add from the dk/dv kernel.
+from flash3.kernels.backward import BackwardConfig, attention_backward  # noqa: E402
+
+mask = MaskSpec(causal=True, alignment="bottom_right")
+o, lse = attention_forward(q, k, v, scale=0.125, mask=mask)
+dq, dk, dv = attention_backward(q, k, v, o, lse, o, scale=0.125, mask=mask,
+                                config=BackwardConfig(block_q_dkv=64, deterministic=False))
+print(f"single-kernel backward: finite {bool(jnp.isfinite(dq.astype(jnp.float32)).all())}")

@@ -857,7 +857,7 @@ GPU_OPTION_CASES = [
 ]
 
 
-def _gpu_opts(opts, Tq, Tk):
+def _expand_opts(opts, Tq, Tk):
   opts = dict(opts)
   segs = opts.pop("segments", None)
   opts = _opts(opts)
@@ -873,7 +873,7 @@ def _gpu_opts(opts, Tq, Tk):
 @pytest.mark.parametrize("case", GPU_OPTION_CASES, ids=[c[0] for c in GPU_OPTION_CASES])
 def test_gpu_options_match_reference(case, dtype, D):
   _, B, Tq, Tk, N, K, mask, opts = case
-  opts = _gpu_opts(opts, Tq, Tk)
+  opts = _expand_opts(opts, Tq, Tk)
   q, k, v = make_qkv(jax.random.key(Tq + Tk + D), B, Tq, Tk, N, K, D, dtype)
   scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
   o, lse = attention_forward(q, k, v, scale=scale, mask=mask, **opts)

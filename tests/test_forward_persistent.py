@@ -26,9 +26,9 @@ from flash3.kernels.forward import attention_forward
 from flash3.visibility import MaskSpec
 
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _opts, _packed,
-                                 assert_matches, assert_matches_opts, make_qkv,
-                                 run_interpret_opts)
+from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _expand_opts, _opts,
+                                 _packed, assert_matches, assert_matches_opts,
+                                 make_qkv, run_interpret_opts)
 
 W = MaskSpec
 
@@ -132,12 +132,7 @@ PERSISTENT_OPTION_CASES = [
                          ids=[c[0] for c in PERSISTENT_OPTION_CASES])
 def test_interpret_persistent_options(case):
   _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
-  opts = dict(opts)
-  segs = opts.pop("segments", None)
-  opts = _opts(opts)
-  if segs is not None:
-    opts["q_segment_ids"] = _packed(segs[0], Tq)
-    opts["kv_segment_ids"] = _packed(segs[1], Tk)
+  opts = _expand_opts(opts, Tq, Tk)
   q, k, v = make_qkv(jax.random.key(Tq + 5 * Tk), B, Tq, Tk, N, K, D, dtype)
   scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
   config = _cfg(num_sms=2)
