@@ -8,7 +8,8 @@
 # carry .whl for tokamax in the bench stage):
 #   OUT=/some/dir DEADLINE=560 BOTH="mgpu_bench" A="tests racecheck" B="drain bench" \
 #     bash scripts/gpu_session.sh
-# Stages: tests (kernel GPU tests, pytest-xdist), api (tests/test_mosaic_path.py),
+# Stages: tests (kernel GPU tests of $TEST_ARGS, pytest-xdist; TEST_K="..." selects
+# with -k), api (tests/test_mosaic_path.py),
 # serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
 # (STEPS steps, packed documents), mgpu_tests, mgpu_bench (both GPUs),
@@ -49,7 +50,8 @@ run_stage() {  # run_stage NAME GPU
   local g=$2
   case $1 in
     tests) shared stage tests ${TESTS_BUDGET:-420} "$g" python3 -m pytest -p no:cacheprovider \
-             -v -n ${TEST_JOBS:-14} -m "gpu and not serial" -rfE --durations=15 $TEST_ARGS ;;
+             -v -n ${TEST_JOBS:-14} -m "gpu and not serial" -rfE --durations=15 \
+             ${TEST_K:+-k "$TEST_K"} $TEST_ARGS ;;
     testfile:*)  # testfile:PATH runs the test ids listed in PATH (one per line)
       local f=${1#testfile:}
       # shellcheck disable=SC2046

@@ -747,7 +747,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staging = (plgpu.SMEM((wgs, bk, bq), dtype,
                         transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
              if staged else None)
-  fused = dq_mode is not None
+  with_dq = dq_mode is not None
   scratch = [
       tile(wgs, bk, head_dim), tile(wgs, bk, head_dim),
       tile(stages, bq, head_dim), tile(stages, bq, head_dim),
@@ -757,8 +757,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       # dq tile a TMA store reads.
       plgpu.SMEM((wgs, bk, bq), dtype,
                  transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
-      if fused else None,
-      plgpu.SMEM((wgs, bq, head_dim), jnp.float32) if fused else None,
+      if with_dq else None,
+      plgpu.SMEM((wgs, bq, head_dim), jnp.float32) if with_dq else None,
       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
