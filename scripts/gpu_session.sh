@@ -12,7 +12,7 @@
 # with -k), api (tests/test_mosaic_path.py),
 # serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
-# (STEPS steps, packed documents), mgpu_tests, mgpu_bench (both GPUs),
+# (STEPS steps, packed documents), train_speed (their steps timed side by side), mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd (config sweeps;
 # TUNE_ARGS adds scripts/tune.py arguments, e.g. "--causal 0 --persistent 0 1").
 # Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
@@ -73,6 +73,10 @@ run_stage() {  # run_stage NAME GPU
       local extra=""; [ "$impl" = flash3 ] && extra="--flash3-kernels-only"
       stage "$1" ${TRAIN_BUDGET:-260} "$g" python3 -m examples.train_gpt --preset h200 \
         --attention "$impl" $extra --seed 0 --steps "$STEPS" --no-progress --out "$R/train/$impl" ;;
+    train_speed)  # flash3 vs cuDNN train steps timed alternately in one process
+      stage train_speed ${SPEED_BUDGET:-200} "$g" python3 -m examples.train_gpt.speed \
+        --preset h200 --impls flash3,cudnn --flash3-kernels-only --steps ${SPEED_STEPS:-30} \
+        --out "$R/train/speed.json" ;;
     tune_fwd|tune_bwd)  # config sweeps against cuDNN (scripts/tune.py)
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "${1#tune_}" \
         --jobs ${TUNE_JOBS:-10} ${TUNE_ARGS:-} --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;

@@ -134,3 +134,26 @@ def test_cudnn_without_a_gpu_says_so():
     train_lib.check_attention_device("cudnn", "cpu")
   train_lib.check_attention_device("cudnn", "gpu")
   train_lib.check_attention_device("flash3", "cpu")
+
+
+def test_speed_times_implementations_side_by_side(tmp_path, capsys):
+  from examples.train_gpt import speed  # noqa: PLC0415
+  sizes = [a for a in TINY if a not in ("--attention", "xla")]
+  out = tmp_path / "speed.json"
+  result = speed.main(sizes + ["--impls", "xla,flash3", "--steps", "2", "--out", str(out)])
+  assert json.loads(out.read_text()) == result
+  rows = {r["attention"]: r for r in result["results"]}
+  assert list(rows) == ["xla", "flash3"]
+  assert rows["xla"]["speed_vs_first"] == 1.0
+  for r in rows.values():
+    assert 0 < r["min_step_s"] <= r["median_step_s"] <= r["max_step_s"]
+    assert r["tokens_per_s"] == pytest.approx(4 * 64 / r["median_step_s"])
+  assert "| flash3 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--impls", "flash3,nope"], ["--impls", ""], ["--steps", "0"]])
+def test_speed_rejects_bad_arguments(argv):
+  from examples.train_gpt import speed  # noqa: PLC0415
+  with pytest.raises(SystemExit) as info:
+    speed.parse_args(argv)
+  assert info.value.code == 2

@@ -84,6 +84,25 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+MIN_DOC_BYTES = 256  # Shorter files are skipped (see data.stdlib_files).
+
+
+def load_data(args):
+  """(train stream, held-out stream) of the standard library's files, split by file."""
+  return data_lib.load_splits(
+      min_bytes=MIN_DOC_BYTES, max_train_bytes=args.max_train_bytes,
+      max_heldout_bytes=None if args.max_train_bytes is None else args.max_train_bytes // 10)
+
+
+def model_config(args, attention: str) -> model_lib.Config:
+  return model_lib.Config(
+      num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+      head_dim=args.head_dim, mlp_dim=args.mlp_dim, attention=attention,
+      flash3_implementation="mosaic" if args.flash3_kernels_only else None,
+      segments=not args.no_segments,
+      max_segments=data_lib.max_segments_per_row(args.seq_len, MIN_DOC_BYTES))
+
+
 def make_optimizer(args) -> optax.GradientTransformation:
   """AdamW, linear warmup then cosine decay to 10%, global-norm clipping at 1.0.
 
@@ -110,6 +129,23 @@ def to_device(batch: data_lib.Batch) -> dict:
   return {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
 
 
+def time_alternately(fns: dict, state, batch, steps: int) -> dict[str, list[float]]:
+  """Wall seconds of each jitted train step, one step of each in turn, `steps` rounds.
+
+  Alternating makes slow drifts (clocks, other processes) hit every function alike.
+  Each is compiled and run once first, untimed.
+  """
+  for fn in fns.values():
+    jax.block_until_ready(fn(state, batch))
+  times = {name: [] for name in fns}
+  for _ in range(steps):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(state, batch))
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
 def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict:
   """Time the real train step against one with attention replaced by a stand-in.
 
@@ -119,14 +155,7 @@ def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict
   variants = {"with_attention": config,
               "attention_replaced": dataclasses.replace(config, attention="identity")}
   fns = {name: make_train_step(cfg, optimizer, donate=False) for name, cfg in variants.items()}
-  for fn in fns.values():
-    jax.block_until_ready(fn(state, batch))  # compile and warm up
-  times = {name: [] for name in fns}
-  for _ in range(steps):
-    for name, fn in fns.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(state, batch))
-      times[name].append(time.perf_counter() - t0)
+  times = time_alternately(fns, state, batch, steps)
   full = float(np.median(times["with_attention"]))
   replaced = float(np.median(times["attention_replaced"]))
   return {"method": "1 - median t(step, attention replaced by o=q+k+v) / median t(step), "
@@ -193,16 +222,8 @@ def run(args, caught_warnings: list[str]) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
-  min_bytes = 256
-  train_stream, heldout_stream = data_lib.load_splits(
-      min_bytes=min_bytes, max_train_bytes=args.max_train_bytes,
-      max_heldout_bytes=None if args.max_train_bytes is None else args.max_train_bytes // 10)
-  config = model_lib.Config(
-      num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-      head_dim=args.head_dim, mlp_dim=args.mlp_dim, attention=args.attention,
-      flash3_implementation="mosaic" if args.flash3_kernels_only else None,
-      segments=not args.no_segments,
-      max_segments=data_lib.max_segments_per_row(args.seq_len, min_bytes))
+  train_stream, heldout_stream = load_data(args)
+  config = model_config(args, args.attention)
   device = jax.devices()[0]
   check_attention_device(args.attention, device.platform)
   path_line = attention_lib.describe(args.attention)
