@@ -663,14 +663,13 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
             dsT = jnp.where(keep, dsT, 0.0)
           dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
                                               staging=staging)
-          if dq_mode is not None:
-            _add_dq_tile(dsT.astype(dtype), ds_smem2.at[wg], dq_stage2.at[wg],
-                         k_smem, (b, pl.ds(t * bq, bq), kv_head * group + g),
-                         dq_acc=dq_refs.get("atomic"),
-                         dq_parts=dq_refs.get("partials"),
-                         slot=lax.axis_index("kv_tiles") * wgs + wg)
         if not (release_early and want_dk):
           plgpu.barrier_arrive(consumed.at[slot])
+        if dq_mode is not None:  # Reads only k and dsT: after the slot's release.
+          _add_dq_tile(dsT.astype(dtype), ds_smem2.at[wg], dq_stage2.at[wg],
+                       k_smem, (b, pl.ds(t * bq, bq), kv_head * group + g),
+                       dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
+                       slot=lax.axis_index("kv_tiles") * wgs + wg)
         return dk, dv
 
       def head(g, carry):
