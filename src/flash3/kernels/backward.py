@@ -464,7 +464,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       q_smem[...] = dq.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
-      plgpu.wait_smem_to_gmem(0)
+      common.wait_final_stores()
 
     @pl.when(wg == wgs)
     def _producer():
@@ -707,7 +707,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       plgpu.commit_smem()
       for name, out_ref in zip(outputs, out_refs):
         plgpu.copy_smem_to_gmem(results[name][0], out_ref.at[keys])
-      plgpu.wait_smem_to_gmem(0)
+      common.wait_final_stores()
 
     @pl.when(wg == wgs)
     def _producer():

@@ -72,6 +72,17 @@ def grid_index(name: str, count: int, reverse: bool) -> jax.Array:
 DRAIN_BARRIERS = True
 
 
+def wait_final_stores() -> None:
+  """A kernel's last wait on its TMA stores: until they have READ shared memory.
+
+  Shared memory must outlive the reads; the global writes complete on their
+  own and are visible after the kernel (CUTLASS's SM90 epilogues end the same
+  way). Waiting for the writes too kept each CTA, and the next CTA for its SM,
+  waiting on the store's round trip to memory.
+  """
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def drains_barriers(interpret: Any) -> bool:
   """Whether the producer waits out its ring's last phases (always when interpreted)."""
   return is_interpret(interpret) or bool(DRAIN_BARRIERS)

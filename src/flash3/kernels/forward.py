@@ -681,7 +681,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
     if next_q is None:
-      plgpu.wait_smem_to_gmem(0)
+      common.wait_final_stores()
     elif not separate_o:
       # o was staged in the q tile: the next q may land once the store read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -803,7 +803,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return g + (it["t_hi"] - it["t_lo"])
 
     lax.fori_loop(0, n_local, item, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0)
+    common.wait_final_stores()
 
   @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
   def _producer_persistent():
