@@ -67,7 +67,8 @@ class ForwardConfig:
       the most keys under a causal mask start first; see
       ``common.grid_index``).
     persistent: launch ``min(num_sms, work items)`` CTAs that each loop over
-      work items (head, query tile, batch) in a static round-robin order; the
+      work items (head, query tile, batch) in a static longest-first order
+      (``schedule.lpt_schedule``; round-robin when all cost the same); the
       K/V ring streams on across items, so the producer loads the next item's
       tiles while the compute warpgroups finish the current one.
     num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
