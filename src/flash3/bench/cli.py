@@ -316,36 +316,25 @@ def _main(argv: list[str] | None) -> int:
   import time
   start = time.monotonic()
   args = parse(argv)
-  try:
+  from flash3.bench import implementations
+  try:  # Bad cases, contenders or results files: one line, exit 2.
     selected = select_cases(args)
+    impls = implementations.select(
+        list(args.impls) if args.impls is not None else None)
+    if args.replot:
+      envs, row_lists = read_results(args.replot, "--replot/--merge")
+    elif args.skip_done:
+      _, row_lists = read_results(args.skip_done, "--skip-done")
   except ValueError as e:
     print(f"flash3-bench: {e}", file=sys.stderr)
     return 2
-  if args.impls is not None:
-    from flash3.bench import implementations
-    try:
-      implementations.select(list(args.impls))
-    except ValueError as e:
-      print(f"flash3-bench: {e}", file=sys.stderr)
-      return 2
   if args.replot:
-    from flash3.bench import implementations, report, results as results_lib
-    try:
-      envs, row_lists = read_results(args.replot, "--replot/--merge")
-    except ValueError as e:
-      print(f"flash3-bench: {e}", file=sys.stderr)
-      return 2
+    from flash3.bench import report, results as results_lib
     results = results_lib.merge(row_lists, implementations.BASELINE)
     _emit(results, report.merge_environments(envs), args.out,
           not args.no_plots)
     return 0
   if args.skip_done:
-    from flash3.bench import implementations
-    try:
-      _, row_lists = read_results(args.skip_done, "--skip-done")
-    except ValueError as e:
-      print(f"flash3-bench: {e}", file=sys.stderr)
-      return 2
     names = list(args.impls or implementations.IMPLEMENTATIONS)
     before = len(selected)
     selected = skip_done(selected, row_lists, names, tuple(args.modes))
@@ -363,13 +352,6 @@ def _main(argv: list[str] | None) -> int:
            else f"shard {args.shard[0]}/{args.shard[1]} has no case")
     print(f"flash3-bench: nothing to run: {why}", file=sys.stderr)
     return 0
-  from flash3.bench import implementations
-  try:
-    impls = implementations.select(
-        list(args.impls) if args.impls is not None else None)
-  except ValueError as e:
-    print(f"flash3-bench: {e}", file=sys.stderr)
-    return 2
   problem = hopper_problem()
   if problem is not None:
     print(f"flash3-bench: cannot run: {problem}; it needs an H100 or H200",

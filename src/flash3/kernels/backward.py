@@ -552,9 +552,6 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staged = not common.uses_register_operands(interpret)
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
-  if dq_mode is not None and not (want_dk and want_dv and bq == 64):
-    raise ValueError("the dq of the dk/dv kernel needs dk and dv together and "
-                     f"block_q_dkv=64; got outputs={outputs}, block_q_dkv={bq}")
   extra = ((*lengths,) if lengths is not None else ()) + (
       (*segments,) if segments is not None else ())
   # dq's float32 accumulator: a zeroed mutable array the kernel closes over
@@ -563,11 +560,10 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   # (B, Tq, N, D); "partials": each warpgroup writes its own slice of
   # (B, kv tiles * warpgroups, Tq, N, D) (tiles it skips stay 0).
   dq_refs = {}
-  n_out = len(outputs)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
     extra_refs, rest = rest[:len(extra)], rest[len(extra):]
-    out_refs, rest = rest[:n_out], rest[n_out:]
+    out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
      ds_smem2, dq_stage2,
      k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed) = rest

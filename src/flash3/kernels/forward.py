@@ -691,12 +691,19 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     """The K/V tiles of one item; ``g0`` as in ``slot_fn`` (None: one item per CTA)."""
     batch, kv_head, t_lo, t_hi = it["batch"], it["kv_head"], it["t_lo"], it["t_hi"]
 
-    def load(t, slot):
+    def load(t, slot, wait_free=None):
+      """K then V of tile t into ``slot``; each first waits for the slot's
+      release when ``wait_free`` (a static True, or a traced condition) says so."""
       rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
-                              smem["k_loaded"].at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
-                              smem["v_loaded"].at[slot])
+      for name in ("k", "v"):
+        if wait_free is True:
+          plgpu.barrier_wait(smem[f"{name}_free"].at[slot])
+        elif wait_free is not None:
+          pl.when(wait_free)(functools.partial(
+              plgpu.barrier_wait, smem[f"{name}_free"].at[slot]))
+        ref = k_ref if name == "k" else v_ref
+        plgpu.copy_gmem_to_smem(ref.at[rows], smem[name].at[slot],
+                                smem[f"{name}_loaded"].at[slot])
 
     if g0 is None:
       for i in range(stages):
@@ -704,14 +711,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
       @pl.loop(t_lo + stages, t_hi)
       def _refill(t):
-        slot = slot_of(t)
-        rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
-        plgpu.barrier_wait(smem["k_free"].at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
-                                smem["k_loaded"].at[slot])
-        plgpu.barrier_wait(smem["v_free"].at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
-                                smem["v_loaded"].at[slot])
+        load(t, slot_of(t), wait_free=True)
       return
 
     @pl.loop(t_lo, t_hi)
@@ -719,21 +719,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       # The CTA's first ``stages`` tiles fill empty slots; every later one
       # waits for the release of the tile ``stages`` before it (which may
       # belong to the previous item).
-      slot = slot_of(t)
-      reuse = g0 + (t - t_lo) >= stages
-      rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
-
-      @pl.when(reuse)
-      def _():
-        plgpu.barrier_wait(smem["k_free"].at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], smem["k"].at[slot],
-                              smem["k_loaded"].at[slot])
-
-      @pl.when(reuse)
-      def _():
-        plgpu.barrier_wait(smem["v_free"].at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], smem["v"].at[slot],
-                              smem["v_loaded"].at[slot])
+      load(t, slot_of(t), wait_free=g0 + (t - t_lo) >= stages)
 
   def drain_ring(g_lo, g_hi, slot_of):
     # Observe the last release of every slot: the interpreter requires every
