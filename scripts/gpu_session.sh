@@ -14,7 +14,8 @@
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
 # (STEPS steps, packed documents), train_speed (their steps timed side by side), mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd (config sweeps;
-# TUNE_ARGS adds scripts/tune.py arguments, e.g. "--causal 0 --persistent 0 1").
+# TUNE_ARGS adds scripts/tune.py arguments, e.g. "--causal 0 --persistent 0 1";
+# TUNE_FWD_ARGS / TUNE_BWD_ARGS, when set, replace it for that stage).
 # Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
 # every stage, so a cut-off run still returns what it did.
 set -uo pipefail
@@ -45,6 +46,9 @@ stage() {  # stage NAME BUDGET_S GPUS command...
 }
 shared() {  # Several processes on one GPU: memory on demand.
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 "$@"
+}
+tune_args() {  # TUNE_FWD_ARGS / TUNE_BWD_ARGS, else TUNE_ARGS
+  local v="TUNE_${1#tune_}"; v="${v^^}_ARGS"; echo "${!v:-${TUNE_ARGS:-}}"
 }
 run_stage() {  # run_stage NAME GPU
   local g=$2
@@ -79,7 +83,7 @@ run_stage() {  # run_stage NAME GPU
         --out "$R/train/speed.json" ;;
     tune_fwd|tune_bwd)  # config sweeps against cuDNN (scripts/tune.py)
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "${1#tune_}" \
-        --jobs ${TUNE_JOBS:-10} ${TUNE_ARGS:-} --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;
+        --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;
     mgpu_tests) shared stage mgpu_tests 200 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu \
                   -rfE tests/test_multi_gpu.py ;;
     mgpu_bench) stage mgpu_bench ${MGPU_BUDGET:-260} "$g" python3 scripts/bench_multi_gpu.py \

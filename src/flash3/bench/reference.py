@@ -218,6 +218,13 @@ def program(case, modes, q, k, v, do, segment_ids) -> Program:
   return Program(tuple(modes), statics, calls)
 
 
+# The reference's float32 GEMMs need no autotuning: on the H200 it made the
+# reference's compile 20-30 s per new shape, most of a benchmark case's time
+# (the autotuned cache then served other masks of that shape in ~1 s). For this
+# executable only; the contenders compile with XLA's defaults.
+_REFERENCE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
 def _signature(call) -> tuple:
   leaves, tree = jax.tree.flatten(call)
   return tree, tuple((x.shape, x.dtype) for x in leaves)
@@ -232,7 +239,8 @@ def compile_program(prog: Program) -> None:
   for call in prog.calls:
     key = _signature(call)
     if key not in by_signature:
-      by_signature[key] = _references.lower(*call, **prog.statics).compile()
+      by_signature[key] = _references.lower(*call, **prog.statics).compile(
+          compiler_options=_REFERENCE_COMPILER_OPTIONS)
     compiled.append(by_signature[key])
   prog.compiled = compiled
 
