@@ -39,7 +39,8 @@ logit. Limitation (as for causal before): NaN in a V row that no query sees
 but that shares a key tile with visible keys (segments, windows) can still
 reach the output; keys past kv_len and whole unseen tiles cannot.
 
-Persistent kernel (``ForwardConfig.persistent``, issue 3, opt-in): instead of
+Persistent kernel (``ForwardConfig.persistent``, issue 3; the default for short
+sequences, ``config._prefers_persistent``): instead of
 one CTA per (head, query tile, batch), ``min(num_sms, items)`` CTAs each loop
 over the work items a static schedule gives it (``schedule.lpt_schedule``:
 longest first, to the least-loaded CTA; round-robin in the grid's order when
