@@ -399,10 +399,33 @@ def test_list_runs_without_gpu(capsys):
   assert "N=32 K=8 D=128" in out and out.strip().endswith("10 cases x 2 modes")
 
 
+def test_list_shows_the_configs_flash3_picks(capsys):
+  from flash3.kernels.backward import BackwardConfig
+  from flash3.kernels.config import forward_config
+  from flash3.visibility import MaskSpec
+  assert cli.main(["--list", "--shape", "B=32,T=512,N=16,D=128", "--causal",
+                   "--dtypes", "bfloat16"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[1].startswith("       flash3: fwd ForwardConfig(")
+  spec = MaskSpec(causal=True)
+  fwd = forward_config(128, jnp.bfloat16, spec, 512, 512)
+  bwd = BackwardConfig.heuristic(128, 512, 512, spec)
+  assert fwd.persistent and bwd.reverse_q_tiles  # What the H200 sweeps chose.
+  assert lines[1].strip() == f"flash3: fwd {fwd}; bwd {bwd}"
+  # D=96 is padded to 128 by the kernels: the configs are those of D=128.
+  assert cli.main(["--list", "--shape", "B=1,T=512,N=4,D=96", "--impls",
+                   "flash3"]) == 0
+  assert "fwd ForwardConfig(" in capsys.readouterr().out
+  assert cli.main(["--list", "--shape", "B=1,T=512,N=4,D=96", "--impls",
+                   "cudnn"]) == 0
+  assert "flash3:" not in capsys.readouterr().out
+
+
 def test_list_one_shard(capsys):
   assert cli.main(["--list", "--suite", "fa3", "--dtypes", "float16,bfloat16",
                    "--shard", "1/4"]) == 0
-  lines = capsys.readouterr().out.strip().splitlines()
+  lines = [l for l in capsys.readouterr().out.strip().splitlines()
+           if not l.startswith(" ")]  # Indented: flash3's configs of a case.
   assert lines[-1] == "18 cases x 2 modes (shard 1/4)"
   listed = [l.split(None, 1)[1] for l in lines[:-1]]
   expected = cases_lib.shard(cases_lib.suite_cases(
@@ -536,6 +559,21 @@ def test_markdown_summary():
   row = next(l for l in lines if "| 4096 | causal | fwd+bwd |" in l)
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert cells[-1] == "1.07" and cells[-2] == "-"  # jax-mgpu unsupported.
+
+
+def test_markdown_lists_the_subjects_configs_once_per_case():
+  rows = synthetic_results()
+  for r in rows:
+    if r.impl == "flash3":
+      r.config = f"fwd ForwardConfig(T={r.q_len}, {r.mask})"
+  lines = report.markdown(rows).splitlines()
+  start = lines.index("flash3's kernel configs per case:")
+  table = lines[start + 2:]
+  assert table[0] == "| suite | dtype | D | N/K | T | mask | config |"
+  assert len(table) == 2 + 4  # One line per (T, mask) case.
+  assert "| fa3 | float16 | 128 | 16/16 | 4096 | causal | fwd ForwardConfig(T=4096, causal) |" in table
+  # Without configs (older results files) there is no such section.
+  assert "kernel configs" not in report.markdown(synthetic_results())
 
 
 ENV = {"gpu": "NVIDIA H200", "driver": "580.1", "cuda_runtime": "13.0",
@@ -884,11 +922,11 @@ def test_check_gradients_and_prescaled_q():
 
 # ----- the runner, with stand-in contenders and clock --------------------------
 
-def _stand_in(name, fn=None, raise_at_build=None, unavailable=None):
+def _stand_in(name, fn=None, raise_at_build=None, unavailable=None, config=""):
   def variants(case, tune):
     if raise_at_build:
       raise impls.Unsupported(raise_at_build)
-    return [impls.Variant("", fn)]
+    return [impls.Variant("", fn, config=config)]
   return impls.Implementation(name, name, lambda: unavailable, variants)
 
 
@@ -910,7 +948,7 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
     raise NotImplementedError("head_dim 32 is not supported\nmore detail")
 
   contenders = [
-      _stand_in("cudnn", xla),
+      _stand_in("cudnn", xla, config="cfg-1"),
       _stand_in("wrong", lambda q, k, v: xla(q, k, v) * 1.1),
       _stand_in("crashes", crashes),
       _stand_in("refuses", raise_at_build="float16 only"),
@@ -925,6 +963,9 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
   assert ok.tflops == pytest.approx(flops_lib.flops(case, "fwd") / 1e-3 / 1e12)
   assert ok.ratio_to_baseline == pytest.approx(1.0)
   assert got[("cudnn", "bwd")].median_ms == pytest.approx(2.0)
+  # The variant's config is recorded on its rows, the derived backward's too.
+  assert [got[("cudnn", m)].config for m in ("fwd", "fwd+bwd", "bwd")] == ["cfg-1"] * 3
+  assert got[("wrong", "fwd")].config == ""
   assert got[("wrong", "fwd")].status == "wrong"
   assert got[("wrong", "fwd")].median_ms is None  # A wrong result is not timed.
   assert got[("wrong", "fwd+bwd")].status == "wrong"

@@ -343,6 +343,8 @@ def _main(argv: list[str] | None) -> int:
   if args.list:
     for case in selected:
       print(f"{case.suite:6s} {case.label()}")
+      if "flash3" in (args.impls or implementations.IMPLEMENTATIONS):
+        print(f"       flash3: {implementations.flash3_configs(case)}")
     shard = ("" if args.shard is None
              else f" (shard {args.shard[0]}/{args.shard[1]})")
     print(f"{len(selected)} cases x {len(args.modes)} modes{shard}")

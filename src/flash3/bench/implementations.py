@@ -46,12 +46,15 @@ class Variant:
       q, k, v.
     aux: extra array arguments (segment ids, a dense mask, lengths).
     q_scale: the contender is fed ``q * q_scale`` (1.0 = plain q).
+    config: the kernel configs it runs, recorded with its results (flash3:
+      what its heuristics pick, ``flash3_configs``).
   """
 
   label: str
   fn: Callable[..., Any]
   aux: tuple = ()
   q_scale: float = 1.0
+  config: str = ""  # The kernel config it runs, where the contender says.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,22 @@ def _flash3_unavailable():
   return None
 
 
+def flash3_configs(case) -> str:
+  """The kernel configs flash3's heuristics pick for ``case``, which is what
+  ``dot_product_attention`` runs: "fwd ForwardConfig(...); bwd
+  BackwardConfig(...)", every field. Host-side arithmetic only (no GPU
+  needed)."""
+  from flash3.kernels.backward import BackwardConfig
+  from flash3.kernels.config import forward_config
+  from flash3.kernels.forward import HEAD_DIM_MULTIPLE
+  head_dim = -(-case.head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+  spec = case.mask_spec
+  fwd = forward_config(head_dim, jnp.dtype(case.dtype), spec, case.q_len,
+                       case.kv_len)
+  bwd = BackwardConfig.heuristic(head_dim, case.q_len, case.kv_len, spec)
+  return f"fwd {fwd}; bwd {bwd}"
+
+
 def _flash3_variants(case, tune):
   del tune
   import flash3
@@ -107,7 +126,8 @@ def _flash3_variants(case, tune):
     keywords.append(("query_segment_ids", "key_value_segment_ids"))
     arrays.append(jnp.asarray(case.segment_ids()))
   _lengths_aux(case, keywords, arrays)
-  return [_with_aux(f, "", keywords, arrays)]
+  return [dataclasses.replace(_with_aux(f, "", keywords, arrays),
+                              config=flash3_configs(case))]
 
 
 # ----- jax.nn: cuDNN and XLA --------------------------------------------------

@@ -174,7 +174,8 @@ def merge_environments(envs: list[dict]) -> dict:
 def markdown(results: Iterable[Result], subject: str = "flash3",
              baseline: str = "cudnn") -> str:
   """A Markdown pivot for docs: one line per (case, mode), TFLOP/s per
-  contender (a dash where it has no ok result) and subject/baseline."""
+  contender (a dash where it has no ok result) and subject/baseline; then,
+  where the subject's rows record them, its kernel configs per case."""
   results = sorted(results, key=sort_key)
   impls = sorted({r.impl for r in results},
                  key=lambda n: (n != subject, n != baseline, n))
@@ -198,4 +199,17 @@ def markdown(results: Iterable[Result], subject: str = "flash3",
     s = by_impl.get(subject)
     cells.append(_fmt(s.ratio_to_baseline if s is not None else None, ".2f"))
     lines.append("| " + " | ".join(cells) + " |")
+  configs = {}  # One line per case: the subject's kernel configs.
+  for (key, _), by_impl in seen.items():
+    s = by_impl.get(subject)
+    if s is not None and s.config:
+      configs.setdefault(key, s)
+  if configs:
+    lines += ["", f"{subject}'s kernel configs per case:", "",
+              "| suite | dtype | D | N/K | T | mask | config |",
+              "|---|---|---|---|---|---|---|"]
+    for s in configs.values():
+      lines.append(f"| {s.suite} | {s.dtype} | {s.head_dim} | "
+                   f"{s.num_heads}/{s.num_kv_heads} | {s.q_len} | {s.mask} | "
+                   f"{s.config} |")
   return "\n".join(lines)

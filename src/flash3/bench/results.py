@@ -33,6 +33,7 @@ class Result:
   status: str
   reason: str = ""
   variant: str = ""
+  config: str = ""  # The kernel configs run, where the contender says (flash3).
   flops: float = 0.0
   median_ms: float | None = None
   min_ms: float | None = None

@@ -283,6 +283,7 @@ def run_case(case: Case, implementations: list[impls.Implementation],
                              expectations[mode], options, fn=job.compiled)
       job.compiled = None  # Frees the executable before the next one runs.
       fields["variant"] = job.variant.label
+      fields["config"] = job.variant.config
       if best is None or _better(fields, best):
         best = fields
       gc.collect()
