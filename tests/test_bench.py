@@ -399,6 +399,15 @@ def test_list_runs_without_gpu(capsys):
   assert "N=32 K=8 D=128" in out and out.strip().endswith("10 cases x 2 modes")
 
 
+def test_merge_of_a_json_that_is_not_results_says_so(tmp_path, capsys):
+  bad = tmp_path / "bad.json"
+  bad.write_text("{}")
+  assert cli.main(["--merge", str(bad), "--out", str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.endswith("not a flash3-bench results.json (no 'environment' field)")
+  assert len(err.splitlines()) == 1
+
+
 def test_list_shows_the_configs_flash3_picks(capsys):
   from flash3.kernels.backward import BackwardConfig
   from flash3.kernels.config import forward_config

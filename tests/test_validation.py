@@ -125,6 +125,19 @@ def test_int64_segment_ids_past_int32_are_rejected_not_wrapped(name):
   expect(ValueError, name, "int32", **ids)
 
 
+@pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths",
+                                  "query_segment_ids", "key_value_segment_ids"])
+def test_python_lists_past_int32_get_the_same_error(name):
+  # Lists used to go through jnp.asarray first: an OverflowError naming nothing.
+  big = 2**33
+  if name.endswith("lengths"):
+    kw = {name: [big, 1]}
+  else:  # Both ids are needed; the named one holds the big value.
+    kw = {"query_segment_ids": [[0] * TQ] * B, "key_value_segment_ids": [[0] * TK] * B}
+    kw[name] = [[big] + [0] * (len(kw[name][0]) - 1)] * B
+  expect(ValueError, name, str(big), **kw)
+
+
 def test_int64_ids_within_int32_still_work():
   out = call(query_segment_ids=np.ones((B, TQ), np.int64),
              key_value_segment_ids=np.ones((B, TK), np.int64),

@@ -194,12 +194,15 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   _flag("return_residual", return_residual)
 
   # Python lists and tuples are arrays to jax.nn; take them the same way.
+  # Integer ones become host arrays first, so values past int32 get the
+  # range error below rather than an OverflowError from jnp.asarray.
   as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
+  as_host = lambda x: np.asarray(x) if isinstance(x, (list, tuple)) else x
   bias, mask, sinks = as_array(bias), as_array(mask), as_array(sinks)
-  query_seq_lengths = as_array(query_seq_lengths)
-  key_value_seq_lengths = as_array(key_value_seq_lengths)
-  query_segment_ids = as_array(query_segment_ids)
-  key_value_segment_ids = as_array(key_value_segment_ids)
+  query_seq_lengths = as_host(query_seq_lengths)
+  key_value_seq_lengths = as_host(key_value_seq_lengths)
+  query_segment_ids = as_host(query_segment_ids)
+  key_value_segment_ids = as_host(key_value_segment_ids)
 
   names = ("query", "key", "value")
   arrays = (query, key, value)

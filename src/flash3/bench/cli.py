@@ -283,7 +283,10 @@ def read_results(paths: list[str], option: str) -> tuple[list[dict], list]:
   for path in paths:
     try:
       env, rows = report.read_json(report.results_path(path))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except KeyError as e:
+      raise ValueError(f"cannot read {option} {path}: not a flash3-bench "
+                       f"results.json (no {e} field)") from None
+    except (OSError, ValueError, TypeError) as e:
       raise ValueError(f"cannot read {option} {path}: {e}") from None
     envs.append(env)
     row_lists.append(rows)
