@@ -404,6 +404,12 @@ def test_is_causal_accepts_concrete_truthy_flags(flag):
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["is_causal", "return_residual", "deterministic"])
+@pytest.mark.parametrize("value", ["yes", 2, None])
+def test_flags_must_be_bools(name, value):
+  expect(TypeError, f"{name}={value!r}", "True or False", **{name: value})
+
+
 @pytest.mark.parametrize("window", [2**31, (2**40, 0), np.int64(10**12)])
 def test_huge_windows_mean_no_limit(window):
   q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))

@@ -33,6 +33,7 @@ class KernelArgs:
   spec: MaskSpec
   interpret: Any
   softcap: float | None = None
+  deterministic: bool = True  # False allows the single-kernel backward.
 
 
 class Extras(NamedTuple):
@@ -144,7 +145,8 @@ def _backward_call(static: KernelArgs, names: tuple[str, ...]):
         sharding.merge_heads(q5), k, v, sharding.merge_heads(o5),
         lse.reshape(B, K * G, T), sharding.merge_heads(do5),
         scale=static.scale, mask=static.spec, interpret=static.interpret,
-        delta=delta.reshape(B, K * G, T), **extra)
+        delta=delta.reshape(B, K * G, T), deterministic=static.deterministic,
+        **extra)
     return sharding.split_heads(dq, K), dk, dv
 
   kinds = (("q", "kv", "kv", "q", "row", "q", "row")

@@ -37,6 +37,7 @@ class Problem:
   logits_soft_cap: float | None
   sinks: jax.Array | None
   unbatched: bool
+  deterministic: bool = True
 
   @property
   def shape(self) -> dict[str, int]:
@@ -182,7 +183,8 @@ def _positive_finite(name: str, value) -> float:
 def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
           key_value_seq_lengths, local_window_size, implementation,
           return_residual, causal_alignment, query_segment_ids,
-          key_value_segment_ids, logits_soft_cap, sinks) -> Problem:
+          key_value_segment_ids, logits_soft_cap, sinks,
+          deterministic=True) -> Problem:
   """Validates every argument and returns the normalised Problem."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -192,6 +194,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     raise ValueError(f"causal_alignment={causal_alignment!r}; allowed: {ALIGNMENTS}")
   is_causal = _flag("is_causal", is_causal)
   _flag("return_residual", return_residual)
+  deterministic = _flag("deterministic", deterministic)
 
   # Python lists and tuples are arrays to jax.nn; take them the same way.
   # Integer ones become host arrays first, so values past int32 get the
@@ -284,5 +287,6 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths,
                  query_segment_ids=query_segment_ids,
                  key_value_segment_ids=key_value_segment_ids,
-                 logits_soft_cap=logits_soft_cap, sinks=sinks, unbatched=unbatched)
+                 logits_soft_cap=logits_soft_cap, sinks=sinks, unbatched=unbatched,
+                 deterministic=deterministic)
 

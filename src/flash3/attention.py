@@ -31,6 +31,7 @@ def dot_product_attention(
     key_value_segment_ids: jax.typing.ArrayLike | None = None,
     logits_soft_cap: float | None = None,
     sinks: jax.typing.ArrayLike | None = None,
+    deterministic: bool = True,
 ):
   r"""Scaled dot-product attention, exact, with FlashAttention-3 kernels on Hopper.
 
@@ -73,6 +74,15 @@ def dot_product_attention(
       scale and bias, before masking (Gemma 2).
     sinks: optional (N,) float: one extra logit per head in the softmax
       denominator, with no value attached (gpt-oss).
+    deterministic: True (default): gradients are bitwise reproducible run to
+      run (two backward kernels, no atomics: FlashAttention-3's backward with
+      s and dp recomputed for dq). False lets the backward use its
+      single-kernel variant, which adds dq with float32 reduce-add atomics
+      (dq's last bits then vary run to run; dk, dv stay reproducible), where
+      it was faster on an H200: head_dim <= 64, by 2-13% on three of four
+      shapes (docs/benchmarks/h200/2026-12-01-s4/tune.md); elsewhere the
+      deterministic kernels, faster there, run anyway. The forward and the XLA
+      path are deterministic either way.
 
   Returns:
     The output, query's shape and dtype; with return_residual, also the
@@ -96,7 +106,7 @@ def dot_product_attention(
       return_residual=return_residual, causal_alignment=causal_alignment,
       query_segment_ids=query_segment_ids,
       key_value_segment_ids=key_value_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks)
+      logits_soft_cap=logits_soft_cap, sinks=sinks, deterministic=deterministic)
 
   if p.q.size == 0 or p.k.shape[1] == 0:
     # Nothing to launch: every row sees no key (or there are no rows).
@@ -104,7 +114,7 @@ def dot_product_attention(
   elif _dispatch.choose(p, implementation) == "mosaic":
     static = KernelArgs(scale=p.scale, spec=p.spec,
                         interpret=_dispatch.interpret_params(),
-                        softcap=p.logits_soft_cap)
+                        softcap=p.logits_soft_cap, deterministic=p.deterministic)
     extras = Extras(p.query_seq_lengths, p.key_value_seq_lengths,
                     p.query_segment_ids, p.key_value_segment_ids, p.sinks)
     o, lse = mosaic_attention(p.q, p.k, p.v, extras, static)

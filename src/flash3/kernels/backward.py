@@ -181,12 +181,16 @@ class BackwardConfig:
   @classmethod
   def heuristic(cls, head_dim: int, q_len: int, kv_len: int,
                 mask: MaskSpec | None = None, *,
-                interpret: bool = False) -> "BackwardConfig":
+                interpret: bool = False,
+                deterministic: bool = True) -> "BackwardConfig":
     """A config that fits shared memory for head_dim (and interpret mode's staging).
 
     From a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16, T 4096
     and 16384, against cuDNN in the same run): causal masks launch the dq
-    kernel's longest query tiles first (2-5% faster).
+    kernel's longest query tiles first (2-5% faster). ``deterministic=False``
+    allows the single-kernel backward, taken where it was faster in the
+    sweep of 2026-12-01 (docs/benchmarks/h200/2026-12-01-s4/tune.md):
+    head_dim <= 64 (2-13% on three of four shapes; 8-22% slower at 128).
     """
     del q_len, kv_len  # Same choice for all lengths today.
     causal = bool(mask is not None and mask.causal)
@@ -200,6 +204,8 @@ class BackwardConfig:
       config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
                    compute_wgs_dkv=1, num_stages=2, split_dkv=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
+    if not deterministic and head_dim <= 64:
+      config = dataclasses.replace(config, block_q_dkv=64, deterministic=False)
     while (max(config.smem_bytes(head_dim, 2, interpret=interpret)) > SMEM_LIMIT_BYTES
            and config.num_stages > 1):
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -866,7 +872,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                        delta: jax.Array | None = None,
                        q_lengths=None, kv_lengths=None,
                        q_segment_ids=None, kv_segment_ids=None,
-                       softcap: float | None = None):
+                       softcap: float | None = None, deterministic: bool = True):
   """Gradients of softmax attention (FlashAttention-3 backward, Section 3).
 
   Args:
@@ -876,7 +882,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
       scaled logits; -inf for rows that see no key.
     scale: the softmax scale applied to q.k.
     mask: the static MaskSpec (causal, alignment, window).
-    config: tile sizes; None picks ``BackwardConfig.heuristic``.
+    config: tile sizes; None picks ``BackwardConfig.heuristic`` (given
+      ``deterministic``; a config's own ``deterministic`` field rules).
     interpret: False for the GPU, True or ``plgpu.InterpretGPUParams`` to run
       in GPU interpret mode on the CPU.
     delta: optional (B, N, Tq) float32 to use in ds = p * (dp - delta);
@@ -914,7 +921,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     raise ValueError(f"delta has shape {delta.shape}; expected {(b, n, q_len)}")
   if config is None:
     config = BackwardConfig.heuristic(head_dim, q_len, k.shape[1], mask,
-                                      interpret=common.is_interpret(interpret))
+                                      interpret=common.is_interpret(interpret),
+                                      deterministic=deterministic)
   config.check_fits(head_dim, q.dtype.itemsize,
                     interpret=common.is_interpret(interpret))
   do = do.astype(q.dtype)
