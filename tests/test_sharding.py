@@ -275,3 +275,80 @@ def test_context_parallel_refuses_a_head_axis_on_the_kernels():
       call(implementation="xla").astype(jnp.float32),
       flash3.dot_product_attention(q, k, v, is_causal=True, implementation="xla"
                                    ).astype(jnp.float32), atol=2e-2)
+
+
+# ------------------------------------- the kernels' axis names and the mesh's
+
+def _lowered_for_cuda_under_mesh(fn, mesh, specs, args):
+  """``fn`` per shard (shard_map over ``mesh``), lowered for CUDA on this CPU machine."""
+  f = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# Mosaic GPU marks a kernel that reads the device's id (here: from a mesh axis)
+# as a multi-device kernel; in the lowered text that shows as "xla_replica_ids".
+_READS_DEVICE_ID = "xla_replica_ids"
+
+
+def test_reads_device_id_marker_shows_a_mesh_axis_index():
+  """The check below is live: a kernel's axis_index of a MESH axis reads the device id."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  mesh = _mesh((2,), ("x",))
+
+  def per_shard(x):
+    def body(x_ref, o_ref):
+      o_ref[...] = x_ref[...] + jax.lax.axis_index("x").astype(jnp.float32)
+    o = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    return o.sum()
+  x = jax.ShapeDtypeStruct((2 * 128,), jnp.float32)
+  assert _READS_DEVICE_ID in _lowered_for_cuda_under_mesh(per_shard, mesh, (P("x"),), (x,))
+
+
+@pytest.mark.parametrize("case", ["grid", "persistent"])
+@pytest.mark.parametrize("axis", ["heads", "batch", "q_tiles", "kv_tiles", "cta", "wg"])
+def test_kernels_never_read_the_mesh_position(axis, case):
+  """The H200 head-sharding bug (2026-11-30), on the CPU.
+
+  Pallas Mosaic GPU resolves ``lax.axis_index(name)`` in a kernel against the
+  JAX mesh axes first. The kernels' grid axis was named "heads": under a mesh
+  axis "heads" every CTA took the device's position on that axis as its head,
+  so device 0 computed only its local head 0 (written by every head CTA), device
+  1 only its local head 1, and the other heads were left unwritten. This lowers
+  forward and backward (the API's kernel path: custom_vjp, custom_partitioning)
+  per shard under meshes named like the kernels' old axes; none may read the
+  device id.
+  """
+  from flash3._kernel_call import Extras, KernelArgs, mosaic_attention
+  if case == "grid":   # A window keeps the grid kernel (kernels/config.py).
+    spec, D = MaskSpec(causal=True, window_left=64), 128
+  else:                # Causal D=64 at short lengths runs persistent.
+    spec, D = MaskSpec(causal=True), 64
+  static = KernelArgs(scale=0.1, spec=spec, interpret=False)
+  mesh = _mesh((2,), (axis,))
+
+  def per_shard(q, k, v):
+    loss = lambda q, k, v: mosaic_attention(q, k, v, Extras(), static)[0].astype(
+        jnp.float32).sum()
+    return sum(g.astype(jnp.float32).sum()
+               for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+  q = jax.ShapeDtypeStruct((2, 256, 4, D), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 256, 2, D), jnp.bfloat16)
+  heads = P(None, None, axis, None)
+  text = _lowered_for_cuda_under_mesh(per_shard, mesh, (heads,) * 3, (q, k, k))
+  assert text.count("mosaic_gpu_v2") >= 2   # Forward and backward kernels.
+  assert _READS_DEVICE_ID not in text
+
+
+def test_kernel_axis_names_are_reserved(mesh):
+  from flash3.kernels import common
+  common.check_mesh_axis_names(("data", "model", "heads", "batch", "wg"))
+  bad = _mesh((2, 2), ("data", common.HEADS_AXIS))
+  with pytest.raises(ValueError, match="reserved for flash3's kernels"):
+    common.check_mesh_axis_names(bad.axis_names)
+  q, k, v = _qkv(B=2, T=64, N=4, K=2)
+  with flash3.interpret_kernels():   # So that the kernel path is chosen here.
+    with pytest.raises(ValueError, match="reserved for flash3's kernels"):
+      context_parallel_attention(
+          *(x.astype(jnp.bfloat16) for x in (q, k, v)),
+          mesh=_mesh((4,), (common.CTA_AXIS,)), sequence_axis=common.CTA_AXIS,
+          implementation="mosaic")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from flash3 import _dispatch, _validate
+from flash3 import _dispatch, _validate, sharding
 from flash3.attention import dot_product_attention
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -126,10 +126,14 @@ def context_parallel_attention(
              key_value_segment_ids=key_value_segment_ids,
              logits_soft_cap=logits_soft_cap, sinks=sinks,
              implementation=implementation, return_residual=return_residual)
-  if (head_axis is not None and implementation != "xla"
-      and _dispatch.forward_reason(p) is None):
+  kernels = implementation != "xla" and _dispatch.forward_reason(p) is None
+  if kernels:
+    from flash3.kernels import common
+    common.check_mesh_axis_names(mesh.axis_names)
+  if head_axis is not None and kernels and not sharding.ALLOW_HEAD_SHARDING:
     # Head-split kernel calls gave wrong values for some heads on two H200s
-    # (docs/multi_gpu.md); refused until understood, like in sharding.py.
+    # (docs/multi_gpu.md); refused until a GPU run confirms the fix, like in
+    # sharding.py.
     raise NotImplementedError(
         f"flash3: context_parallel_attention with head_axis={head_axis!r} is not "
         "supported on the Mosaic GPU kernels yet; use head_axis=None (heads "

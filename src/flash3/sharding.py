@@ -3,8 +3,9 @@
 A Pallas kernel does not partition itself: left alone, XLA's partitioner would
 gather sharded operands onto every device. ``partitioned`` wraps a kernel call
 in ``jax.experimental.custom_partitioning`` with a Shardy rule that says which
-dimensions may stay sharded (batch; key/value heads are refused for now, see
-``partition``) and which each device needs whole (sequence, head_dim, and the query heads of one GQA group). Each
+dimensions may stay sharded (batch; key/value heads only with
+``ALLOW_HEAD_SHARDING``, see ``partition``) and which each device needs whole
+(sequence, head_dim, and the query heads of one GQA group). Each
 device then runs the kernel on its own shard; a different input sharding is
 resharded by XLA at the call, never gathered silently inside it.
 
@@ -33,6 +34,15 @@ _FACTORS = {"q": "b t h g d", "kv": "b s h d", "row": "b h g t",
 # Dimensions each device needs whole: the sequences and head_dim; group too,
 # so that dk/dv of a key/value head are summed inside one kernel (no all-reduce).
 _REPLICATED = ("t", "s", "d", "g")
+
+# Head-sharded kernel calls are refused unless this is True. On two H200s
+# (2026-11-30) they returned wrong heads: the kernels' grid axis was named
+# "heads", like the mesh axis, and inside a kernel lowered under a mesh
+# ``lax.axis_index`` resolves mesh axes first, so each CTA took the device's
+# mesh position for its head (kernels/common.py). The kernel axes are renamed
+# since; this stays off until a two-GPU run confirms the fix
+# (tests/test_multi_gpu.py::test_heads_sharded_equals_one_gpu_when_allowed).
+ALLOW_HEAD_SHARDING = False
 
 
 def _spec(kind: str, batch_axis, head_axis) -> P:
@@ -66,11 +76,11 @@ def partitioned(fn: Callable, in_kinds: Sequence[str], out_kinds: Sequence[str])
   wrapped = custom_partitioning(fn)
 
   def partition(mesh, arg_shapes, result_shape):
+    from flash3.kernels import common  # Only the GPU kernel path gets here.
+    common.check_mesh_axis_names(mesh.axis_names)
     batch_axis, head_axis = _axes(arg_shapes[0].sharding, in_kinds[0])
-    if head_axis is not None:
-      # On two H200s (2026-11-30) the kernels returned wrong values for some
-      # heads of head-sharded inputs while batch sharding was exact; until
-      # that is understood, refuse rather than gather or return wrong numbers.
+    if head_axis is not None and not ALLOW_HEAD_SHARDING:
+      # Wrong heads on two H200s (2026-11-30); see ALLOW_HEAD_SHARDING.
       raise NotImplementedError(
           f"flash3: inputs sharded over heads (mesh axis {head_axis!r}) are not "
           "supported on the Mosaic GPU kernels yet; shard the batch axis, use "

@@ -375,7 +375,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
      staging2, q_bars, do_bars, lse_bars, delta_bars,
      k_bars, v_bars, consumed) = rest
-    b = lax.axis_index("batch")
+    b = lax.axis_index(common.BATCH_AXIS)
     lens, seg_refs = _split_extras(extra_refs, lengths is not None,
                                    segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
@@ -391,10 +391,10 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         plan = _limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
       return plan
 
-    h = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
+    h = lax.axis_index(common.HEADS_AXIS)
+    wg = lax.axis_index(common.WG_AXIS)
     kv_head = lax.div(h, jnp.int32(group))
-    cta_q_lo = common.grid_index("q_tiles", num_q_tiles,
+    cta_q_lo = common.grid_index(common.Q_TILES_AXIS, num_q_tiles,
                                  config.reverse_q_tiles) * (wgs * bq)
     cta_lo, cta_hi = _union([plan_of(cta_q_lo + w * bq) for w in range(wgs)])
     num_steps = cta_hi - cta_lo
@@ -518,9 +518,9 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=scratch,
       grid=(num_heads, num_q_tiles, batch),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid_names=(common.HEADS_AXIS, common.Q_TILES_AXIS, common.BATCH_AXIS),
       num_threads=wgs + 1,
-      thread_name="wg",
+      thread_name=common.WG_AXIS,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
   )(q, k, v, do, lse2, delta, *extra)
@@ -573,7 +573,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
      ds_smem2, dq_stage2,
      k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed) = rest
-    b = lax.axis_index("batch")
+    b = lax.axis_index(common.BATCH_AXIS)
     lens, seg_refs = _split_extras(extra_refs, lengths is not None,
                                    segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
@@ -589,9 +589,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         plan = _limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
       return plan
 
-    kv_head = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
-    cta_k_lo = lax.axis_index("kv_tiles") * (wgs * bk)
+    kv_head = lax.axis_index(common.HEADS_AXIS)
+    wg = lax.axis_index(common.WG_AXIS)
+    cta_k_lo = lax.axis_index(common.KV_TILES_AXIS) * (wgs * bk)
     cta_lo, cta_hi = _union([plan_of(cta_k_lo + w * bk) for w in range(wgs)])
     tiles_per_head = cta_hi - cta_lo
     # Step i walks query head (i // tiles_per_head) of the group, query tile
@@ -671,7 +671,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           _add_dq_tile(dsT.astype(dtype), ds_smem2.at[wg], dq_stage2.at[wg],
                        k_smem, (b, pl.ds(t * bq, bq), kv_head * group + g),
                        dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
-                       slot=lax.axis_index("kv_tiles") * wgs + wg)
+                       slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
         return dk, dv
 
       def head(g, carry):
@@ -771,9 +771,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       out_type=out_type,
       scratch_types=scratch,
       grid=(num_kv_heads, num_kv_tiles, batch),
-      grid_names=("heads", "kv_tiles", "batch"),
+      grid_names=(common.HEADS_AXIS, common.KV_TILES_AXIS, common.BATCH_AXIS),
       num_threads=wgs + 1,
-      thread_name="wg",
+      thread_name=common.WG_AXIS,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
   )

@@ -31,6 +31,35 @@ LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 
+# The kernels' grid and thread axis names. Inside a kernel,
+# ``lax.axis_index(name)`` resolves ``name`` against the JAX mesh axes FIRST
+# (jax 0.11.2, pallas/mosaic_gpu/lowering.py ``_axis_index_rule``) whenever the
+# kernel is lowered under a mesh: per shard under custom_partitioning or
+# shard_map. With grid names such as "heads" a mesh axis called "heads" turned
+# the CTA's head index into the device's position on that axis, so every CTA of
+# device d worked on local head d and the other heads were never written (the
+# head-sharded runs on two H200s, 2026-11-30). Prefixed names cannot meet a
+# user's mesh axis; ``check_mesh_axis_names`` refuses a mesh that uses one.
+HEADS_AXIS = "flash3_kernel_heads"
+BATCH_AXIS = "flash3_kernel_batch"
+Q_TILES_AXIS = "flash3_kernel_q_tiles"
+KV_TILES_AXIS = "flash3_kernel_kv_tiles"
+CTA_AXIS = "flash3_kernel_cta"
+WG_AXIS = "flash3_kernel_wg"
+KERNEL_AXIS_NAMES = frozenset({HEADS_AXIS, BATCH_AXIS, Q_TILES_AXIS,
+                               KV_TILES_AXIS, CTA_AXIS, WG_AXIS})
+
+
+def check_mesh_axis_names(axis_names) -> None:
+  """Raises ValueError if a mesh axis shares a name with a kernel axis."""
+  clash = sorted(set(axis_names) & KERNEL_AXIS_NAMES)
+  if clash:
+    raise ValueError(
+        f"flash3: mesh axis names {clash} are reserved for flash3's kernels "
+        "(a kernel's axis_index would read the device's mesh position); "
+        "rename those mesh axes")
+
+
 def is_interpret(interpret: Any) -> bool:
   """True if ``interpret`` (False/None, True, or InterpretGPUParams) asks for it."""
   return interpret is not None and interpret is not False

@@ -395,20 +395,21 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
         block_kv=block_kv, reverse_q_tiles=config.reverse_q_tiles)
     extra_inputs += (jnp.asarray(schedule.lpt_schedule(costs, num_ctas)),)
     body = functools.partial(body, num_ctas=num_ctas)
-    grid, grid_names = (num_ctas,), ("cta",)
+    grid, grid_names = (num_ctas,), (common.CTA_AXIS,)
   else:
-    grid, grid_names = (N, num_q_ctas, B), ("heads", "q_tiles", "batch")
+    grid = (N, num_q_ctas, B)
+    grid_names = (common.HEADS_AXIS, common.Q_TILES_AXIS, common.BATCH_AXIS)
   kernel = plgpu.kernel(
       lambda q_ref, k_ref, v_ref, *refs: pl.run_scoped(
           lambda **s: body(q_ref, k_ref, v_ref, refs[-2], refs[-1], s,
                            extra_refs=refs[:-2]),
-          **scratch, collective_axes="wg"),
+          **scratch, collective_axes=common.WG_AXIS),
       out_type=(jax.ShapeDtypeStruct((B, Tq_buf, N, D), dtype),
                 jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
       grid=grid,
       grid_names=grid_names,
       num_threads=NUM_COMPUTE_WARPGROUPS + 1,
-      thread_name="wg",
+      thread_name=common.WG_AXIS,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )
@@ -434,14 +435,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   """One CTA: one work item (the grid), or a loop over items (``config.persistent``).
 
   A work item is (head, query CTA tile, batch). The persistent kernel
-  (``num_ctas`` CTAs on a 1D grid named "cta") takes the items of its row of
+  (``num_ctas`` CTAs on a 1D grid, axis ``common.CTA_AXIS``) takes the items of its row of
   the schedule table (the last extra input). The K/V
   ring runs on across items: ``g``, the count of tiles this CTA has streamed
   before the item, places the item's first tile in slot ``g % stages``, and
   the mbarriers track their own phases, so each barrier sees one arrival and
   one wait per tile whatever item the tile belongs to.
   """
-  wg = lax.axis_index("wg")
+  wg = lax.axis_index(common.WG_AXIS)
   extra_refs = list(extra_refs)
   schedule_ref = extra_refs.pop() if num_ctas is not None else None
   len_refs = (extra_refs.pop(0), extra_refs.pop(0)) if has_lengths else None
@@ -734,9 +735,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         plgpu.barrier_wait(smem["v_free"].at[slot])
 
   if not config.persistent:
-    q_cta = common.grid_index("q_tiles", num_q_ctas, config.reverse_q_tiles)
-    head = lax.axis_index("heads")
-    batch = lax.axis_index("batch")
+    q_cta = common.grid_index(common.Q_TILES_AXIS, num_q_ctas, config.reverse_q_tiles)
+    head = lax.axis_index(common.HEADS_AXIS)
+    batch = lax.axis_index(common.BATCH_AXIS)
     it = setup(head, q_cta, batch)
     slot_of = slot_fn(it, None)
 
@@ -754,7 +755,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
   # Persistent: this CTA's row of the schedule (``schedule.lpt_schedule``):
   # its item count, then its items (num_ctas <= items, so >= 1 each).
-  cta = lax.axis_index("cta")
+  cta = lax.axis_index(common.CTA_AXIS)
   n_local = schedule_ref[cta, 0]
 
   def item_of(i):
