@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flash3
+import flash3.sharding
 
 MODES = ("fwd", "fwd+bwd")
 # FA3 FLOP convention: forward 4*B*T*T*N*D (half when causal), backward 2.5x.
@@ -462,6 +463,10 @@ def parse_args(argv):
                  help="mosaic (the kernels; needs Hopper GPUs) or xla (any devices)")
   p.add_argument("--tiny", action="store_true",
                  help="shrink every case to a few tokens (smoke test on CPU devices)")
+  p.add_argument("--allow-head-sharding", action="store_true",
+                 help="set flash3.sharding.ALLOW_HEAD_SHARDING, so the head-split cases "
+                      "run on the kernels (refused by default until a two-GPU run "
+                      "confirms the kernel-axis fix, docs/multi_gpu.md)")
   args = p.parse_args(argv)
   if args.iters < 1:
     p.error(f"--iters={args.iters}; allowed: >= 1")
@@ -484,6 +489,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
   start = time.perf_counter()
   args = parse_args(argv)
+  flash3.sharding.ALLOW_HEAD_SHARDING = args.allow_head_sharding
   if args.list:
     for c in CASES.values():
       print(f"{c.name:30s} {'(default)' if c.name in DEFAULT_CASES else '':10s} {c}")

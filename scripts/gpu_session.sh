@@ -15,7 +15,8 @@
 # (STEPS steps, packed documents), train_speed (their steps timed side by side), mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd (config sweeps;
 # TUNE_ARGS adds scripts/tune.py arguments, e.g. "--causal 0 --persistent 0 1";
-# TUNE_FWD_ARGS / TUNE_BWD_ARGS, when set, replace it for that stage).
+# TUNE_FWD_ARGS / TUNE_BWD_ARGS, when set, replace it for that stage; MGPU_ARGS adds
+# scripts/bench_multi_gpu.py arguments, e.g. "--cases all --allow-head-sharding").
 # Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
 # every stage, so a cut-off run still returns what it did.
 set -uo pipefail
@@ -84,10 +85,11 @@ run_stage() {  # run_stage NAME GPU
     tune_fwd|tune_bwd)  # config sweeps against cuDNN (scripts/tune.py)
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "${1#tune_}" \
         --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;
-    mgpu_tests) shared stage mgpu_tests 200 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu \
+    mgpu_tests) shared stage mgpu_tests 200 "$g" python3 -m pytest -v -p no:cacheprovider -n 4 -m gpu \
                   -rfE tests/test_multi_gpu.py ;;
+    # shellcheck disable=SC2086
     mgpu_bench) stage mgpu_bench ${MGPU_BUDGET:-260} "$g" python3 scripts/bench_multi_gpu.py \
-                  --out "$R/mgpu" --time-budget $(( ${MGPU_BUDGET:-260} - 40 )) ;;
+                  ${MGPU_ARGS:-} --out "$R/mgpu" --time-budget $(( ${MGPU_BUDGET:-260} - 40 )) ;;
     *) echo "unknown stage $1" | tee -a "$R/stages.txt" ;;
   esac
 }

@@ -208,6 +208,18 @@ def test_bench_case_selection(bench):
     bench.select_cases("default,nope")
 
 
+def test_bench_flag_lifts_the_head_sharding_refusal(bench, capsys):
+  import flash3.sharding
+  try:
+    assert bench.main(["--list", "--allow-head-sharding"]) == 0
+    assert flash3.sharding.ALLOW_HEAD_SHARDING is True
+    assert bench.main(["--list"]) == 0
+    assert flash3.sharding.ALLOW_HEAD_SHARDING is False
+  finally:
+    flash3.sharding.ALLOW_HEAD_SHARDING = False
+  assert "bh-heads-gqa" in capsys.readouterr().out
+
+
 def test_bench_sizes_targets_and_arithmetic(bench):
   cp = bench.CASES["cp-131072-causal"]
   bh = bench.CASES["bh-heads-gqa"]
