@@ -253,3 +253,26 @@ def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
     config = forward_config(D, jnp.bfloat16, mask, kv_len, kv_len, interpret=interpret)
     assert config.persistent is want
     check_fits(config, D, 2, interpret=interpret)
+
+
+@pytest.mark.interpret
+def test_default_config_sizes_the_persistent_kernel_to_the_gpu(monkeypatch):
+  # An H100 PCIe has 114 SMs: 132 CTAs there would run a second wave.
+  from flash3 import _device
+  from flash3.kernels import forward
+  assert _device.sm_count() == _device.DEFAULT_SM_COUNT == 132  # No GPU here.
+  assert forward_config(64, jnp.bfloat16, NO_MASK, 512, 512, num_sms=114).num_sms == 114
+  seen = []
+  real = forward.forward_config
+
+  def spy(*args, **kwargs):
+    config = real(*args, **kwargs)
+    seen.append(config)
+    return config
+  monkeypatch.setattr(forward, "forward_config", spy)
+  monkeypatch.setattr(_device, "sm_count", lambda: 3)
+  q, k, v = make_qkv(jax.random.key(1), 1, 200, 200, 2, 2, 64, jnp.bfloat16)
+  o, lse = forward.attention_forward(q, k, v, scale=0.125, mask=NO_MASK,
+                                     interpret=True)
+  assert [c.num_sms for c in seen] == [3] and seen[0].persistent
+  assert_matches(o, lse, q, k, v, scale=0.125, mask=NO_MASK)

@@ -23,6 +23,22 @@ def hopper_device_kind() -> str | None:
   return device.device_kind
 
 
+# SMs of an H100 / H200 SXM: the persistent kernel's CTA count where no GPU
+# says otherwise (interpret mode, lowering on a CPU machine).
+DEFAULT_SM_COUNT = 132
+
+
+@functools.cache
+def sm_count() -> int:
+  """Streaming multiprocessors of the default backend's first Hopper GPU
+  (``Device.core_count``: 132 on H100/H200 SXM, 114 on H100 PCIe), else
+  ``DEFAULT_SM_COUNT``."""
+  if hopper_device_kind() is None:
+    return DEFAULT_SM_COUNT
+  count = getattr(jax.devices()[0], "core_count", None)
+  return int(count) if count else DEFAULT_SM_COUNT
+
+
 def why_not_hopper() -> str | None:
   """None on a Hopper GPU, else a sentence saying what the default device is."""
   if hopper_device_kind() is not None:

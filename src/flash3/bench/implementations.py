@@ -110,8 +110,9 @@ def flash3_configs(case) -> str:
   from flash3.kernels.forward import HEAD_DIM_MULTIPLE
   head_dim = -(-case.head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
   spec = case.mask_spec
+  from flash3._device import sm_count
   fwd = forward_config(head_dim, jnp.dtype(case.dtype), spec, case.q_len,
-                       case.kv_len)
+                       case.kv_len, num_sms=sm_count())
   bwd = BackwardConfig.heuristic(head_dim, case.q_len, case.kv_len, spec)
   return f"fwd {fwd}; bwd {bwd}"
 

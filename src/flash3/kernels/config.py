@@ -165,7 +165,8 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
 
 
 def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
-                   kv_len: int, *, interpret: bool = False) -> ForwardConfig:
+                   kv_len: int, *, interpret: bool = False,
+                   num_sms: int = 132) -> ForwardConfig:
   """The default config for these arguments; it always fits shared memory.
 
   Chosen from a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16,
@@ -183,6 +184,9 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
     q_len, kv_len: Tq and Tk.
     interpret: the ring is shrunk until interpret mode's P staging buffer
       fits too (see common.py); the GPU path keeps the full ring.
+    num_sms: the GPU's SMs, the persistent kernel's CTA count (132 on an
+      H100 / H200 SXM, 114 on an H100 PCIe: more CTAs than SMs would run a
+      second wave).
   """
   del dtype, q_len  # Same choice for both 16-bit types and all Tq today.
   if head_dim <= 64:
@@ -200,7 +204,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   if persistent and head_dim <= 64:
     stages = min(stages, 2)  # The persistent sweep's best at D=64.
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
-                         reverse_q_tiles=bool(mask.causal), persistent=persistent)
+                         reverse_q_tiles=bool(mask.causal), persistent=persistent,
+                         num_sms=num_sms)
   # Shrink the ring until it fits (interpret mode's P buffer included there).
   while (forward_smem_bytes(config, head_dim, 2, interpret=interpret)
          > SMEM_LIMIT_BYTES and config.num_stages > 1):

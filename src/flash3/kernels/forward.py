@@ -69,6 +69,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from flash3 import _device
 from flash3.kernels import common, schedule
 from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
                                    check_fits, forward_config,
@@ -142,7 +143,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
     k, v: (B, Tk, K, D), same dtype, N % K == 0 (GQA / MQA when K < N).
     scale: the softmax scale (any finite float; callers default to 1/sqrt(D)).
     mask: causal / alignment / window (flash3.visibility.MaskSpec).
-    config: tile sizes and pipeline depth; None picks ``forward_config``.
+    config: tile sizes and pipeline depth; None picks ``forward_config``
+      (the persistent kernel sized to this GPU's SMs).
     interpret: False for the GPU; True or ``plgpu.InterpretGPUParams`` to run
       in GPU interpret mode on the CPU.
     q_lengths, kv_lengths: None or (B,) int32 valid query / key counts per
@@ -202,7 +204,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   interpret_params = common.interpret_params(interpret)
   if config is None:
     config = forward_config(d_pad, q.dtype, mask, Tq, Tk,
-                            interpret=interpret_params is not None)
+                            interpret=interpret_params is not None,
+                            num_sms=_device.sm_count())
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
