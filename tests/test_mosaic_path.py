@@ -105,6 +105,10 @@ def test_deterministic_false_allows_the_single_kernel_backward(D):
   chosen = BackwardConfig.heuristic(D, 512, 512, MaskSpec(causal=True),
                                     deterministic=False)
   assert chosen.deterministic is (D > 64)
+  # Below 64 the backward runs D unpadded, where the single kernel's dq tile
+  # does not lower: the deterministic kernels run.
+  for small in (16, 32, 48):
+    assert BackwardConfig.heuristic(small, 512, 512, deterministic=False).deterministic
   q, k, v, do = _inputs(D=D, Tq=130, Tk=150)
   kw = dict(is_causal=True, causal_alignment="bottom_right")
   grads = {}

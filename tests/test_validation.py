@@ -138,6 +138,25 @@ def test_python_lists_past_int32_get_the_same_error(name):
   expect(ValueError, name, str(big), **kw)
 
 
+def test_lists_of_traced_lengths_and_ids_work_under_jit():
+  q = jnp.ones((B, TQ, N, D))
+  k = jnp.ones((B, TK, N, D))
+
+  @jax.jit
+  def f(a, ids):
+    return flash3.dot_product_attention(
+        q, k, k, query_seq_lengths=[a, a], key_value_seq_lengths=(a, TK),
+        query_segment_ids=[ids[:TQ]] * B, key_value_segment_ids=[ids] * B,
+        implementation="xla")
+  ids = jnp.zeros((TK,), jnp.int32)
+  out = f(jnp.int32(1), ids)
+  want = flash3.dot_product_attention(
+      q, k, k, query_seq_lengths=np.array([1, 1]), key_value_seq_lengths=np.array([1, TK]),
+      query_segment_ids=np.zeros((B, TQ), np.int32),
+      key_value_segment_ids=np.zeros((B, TK), np.int32), implementation="xla")
+  np.testing.assert_array_equal(out, want)
+
+
 def test_int64_ids_within_int32_still_work():
   out = call(query_segment_ids=np.ones((B, TQ), np.int64),
              key_value_segment_ids=np.ones((B, TK), np.int64),

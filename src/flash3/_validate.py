@@ -113,6 +113,14 @@ def _window(local_window_size, longest: int) -> tuple[int, int] | None:
   return (min(window[0], longest), min(window[1], longest))
 
 
+def _host_or_traced(x):
+  """A list or tuple as a NumPy array, or a jax array when it holds tracers."""
+  try:
+    return np.asarray(x)
+  except jax.errors.TracerArrayConversionError:
+    return jnp.asarray(x)
+
+
 def _host_int_range(x) -> tuple[int, int] | None:
   """(min, max) of a host (NumPy or list) integer array in its own width, else None.
 
@@ -200,7 +208,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   # Integer ones become host arrays first, so values past int32 get the
   # range error below rather than an OverflowError from jnp.asarray.
   as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
-  as_host = lambda x: np.asarray(x) if isinstance(x, (list, tuple)) else x
+  as_host = lambda x: _host_or_traced(x) if isinstance(x, (list, tuple)) else x
   bias, mask, sinks = as_array(bias), as_array(mask), as_array(sinks)
   query_seq_lengths = as_host(query_seq_lengths)
   key_value_seq_lengths = as_host(key_value_seq_lengths)

@@ -79,7 +79,7 @@ def dot_product_attention(
       s and dp recomputed for dq). False lets the backward use its
       single-kernel variant, which adds dq with float32 reduce-add atomics
       (dq's last bits then vary run to run; dk, dv stay reproducible), where
-      it was faster on an H200: head_dim <= 64, by 2-13% on three of four
+      it was faster on an H200: head_dim 64, by 2-13% on three of four
       shapes (docs/benchmarks/h200/2026-12-01-s4/tune.md); elsewhere the
       deterministic kernels, faster there, run anyway. The forward and the XLA
       path are deterministic either way.

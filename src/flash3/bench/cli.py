@@ -283,10 +283,11 @@ def read_results(paths: list[str], option: str) -> tuple[list[dict], list]:
   for path in paths:
     try:
       env, rows = report.read_json(report.results_path(path))
-    except KeyError as e:
+    except (KeyError, TypeError) as e:
+      what = f"no {e} field" if isinstance(e, KeyError) else e
       raise ValueError(f"cannot read {option} {path}: not a flash3-bench "
-                       f"results.json (no {e} field)") from None
-    except (OSError, ValueError, TypeError) as e:
+                       f"results.json ({what})") from None
+    except (OSError, ValueError) as e:
       raise ValueError(f"cannot read {option} {path}: {e}") from None
     envs.append(env)
     row_lists.append(rows)

@@ -64,8 +64,10 @@ Limitations (today):
   XLA); rows hidden by causal, a window or segment ids are not.
 * Two kernels recompute s and dp (7 matmuls per tile pair against
   FlashAttention-3's 5 with atomic dq): the price of bitwise determinism.
-  ``BackwardConfig(deterministic=False)`` (opt-in, D <= 128) is the 5-matmul
-  variant: the dk/dv kernel alone, adding dq += ds k with TMA reduce-add.
+  ``BackwardConfig(deterministic=False)`` (D 64 and 128) is the 5-matmul
+  variant: the dk/dv kernel alone, adding dq += ds k with TMA reduce-add;
+  ``dot_product_attention(deterministic=False)`` takes it at D = 64, where an
+  H200 sweep found it faster.
 """
 
 from __future__ import annotations
@@ -119,8 +121,9 @@ class BackwardConfig:
       float32 sums depend on the order CTAs arrive in, so dq is not bitwise
       reproducible (dk, dv still are). Needs ``split_dkv`` off and
       ``block_q_dkv`` 64. Interpret mode writes per-CTA partial sums instead
-      and adds them in XLA (its TMA has no reduce-add). Opt-in and not yet
-      run on a GPU (2026-12-01: interpret-mode tests and CUDA lowering only).
+      and adds them in XLA (its TMA has no reduce-add). Its GPU tests passed
+      on an H200 (2026-12-01); it was 8-22% slower than the default at D=128
+      and 2-13% faster on three of four D=64 shapes.
   """
 
   block_q_dq: int = 64
@@ -190,7 +193,9 @@ class BackwardConfig:
     kernel's longest query tiles first (2-5% faster). ``deterministic=False``
     allows the single-kernel backward, taken where it was faster in the
     sweep of 2026-12-01 (docs/benchmarks/h200/2026-12-01-s4/tune.md):
-    head_dim <= 64 (2-13% on three of four shapes; 8-22% slower at 128).
+    head_dim 64 (2-13% on three of four shapes; 8-22% slower at 128). Not
+    below 64: the backward runs D as given (the forward pads it) and the
+    single kernel's dq tile does not lower for D < 64.
     """
     del q_len, kv_len  # Same choice for all lengths today.
     causal = bool(mask is not None and mask.causal)
@@ -204,7 +209,7 @@ class BackwardConfig:
       config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
                    compute_wgs_dkv=1, num_stages=2, split_dkv=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
-    if not deterministic and head_dim <= 64:
+    if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False)
     while (max(config.smem_bytes(head_dim, 2, interpret=interpret)) > SMEM_LIMIT_BYTES
            and config.num_stages > 1):
@@ -899,8 +904,10 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
       (Gemma 2); the chain rule multiplies ds by 1 - tanh^2.
 
   Returns:
-    dq (B, Tq, N, D), dk, dv (B, Tk, K, D) in the input dtype. Deterministic:
-    no atomics, a fixed accumulation order.
+    dq (B, Tq, N, D), dk, dv (B, Tk, K, D) in the input dtype. With the
+    config's ``deterministic`` True (the default): no atomics, a fixed
+    accumulation order, bitwise reproducible; False: dq is summed by atomic
+    reduce-adds (dk, dv still reproducible).
 
   Raises:
     ValueError: unsupported shapes or dtypes (see ``unsupported_reason``), a
