@@ -60,6 +60,18 @@ def lpt_schedule(costs: np.ndarray, num_ctas: int) -> np.ndarray:
   num_items = len(costs)
   if not 1 <= num_ctas <= num_items:
     raise ValueError(f"num_ctas={num_ctas} must be in [1, {num_items}] (the items)")
+  costs = np.asarray(costs)
+  if (costs == costs[0]).all():
+    # Equal costs (no causal mask or window): the greedy rule deals the items
+    # round-robin in grid order; done with arrays, since a long non-causal
+    # query can make millions of items.
+    per_cta = -(-num_items // num_ctas)
+    ids = np.arange(per_cta * num_ctas).reshape(per_cta, num_ctas).T
+    counts = (ids < num_items).sum(axis=1)
+    table = np.zeros((num_ctas, 2 + per_cta), np.int32)
+    table[:, 0] = counts
+    table[:, 1:1 + per_cta] = np.where(ids < num_items, ids, 0)
+    return table
   order = sorted(range(num_items), key=lambda i: (-int(costs[i]), i))
   heap = [(0, cta) for cta in range(num_ctas)]  # (work so far, cta): ties -> lower cta
   lists = [[] for _ in range(num_ctas)]
