@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flash3._device import DEFAULT_SM_COUNT
 from flash3.visibility import MaskSpec
 
 # Opt-in shared memory per CTA on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -82,7 +83,7 @@ class ForwardConfig:
   producer_registers: int = 40
   reverse_q_tiles: bool = False
   persistent: bool = False
-  num_sms: int = 132
+  num_sms: int = DEFAULT_SM_COUNT
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -166,7 +167,7 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
 
 def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
                    kv_len: int, *, interpret: bool = False,
-                   num_sms: int = 132) -> ForwardConfig:
+                   num_sms: int = DEFAULT_SM_COUNT) -> ForwardConfig:
   """The default config for these arguments; it always fits shared memory.
 
   Chosen from a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16,
