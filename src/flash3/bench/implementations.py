@@ -106,13 +106,10 @@ def flash3_configs(case) -> str:
   BackwardConfig(...)", every field. Host-side arithmetic only (no GPU
   needed)."""
   from flash3.kernels.backward import BackwardConfig
-  from flash3.kernels.config import forward_config
-  from flash3.kernels.forward import HEAD_DIM_MULTIPLE
-  head_dim = -(-case.head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+  from flash3.kernels.forward import default_config
   spec = case.mask_spec
-  from flash3._device import sm_count
-  fwd = forward_config(head_dim, jnp.dtype(case.dtype), spec, case.q_len,
-                       case.kv_len, num_sms=sm_count())
+  fwd = default_config(case.head_dim, jnp.dtype(case.dtype), spec, case.q_len,
+                       case.kv_len)
   # The backward runs D as given (only the forward pads it).
   bwd = BackwardConfig.heuristic(case.head_dim, case.q_len, case.kv_len, spec)
   return f"fwd {fwd}; bwd {bwd}"

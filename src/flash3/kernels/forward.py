@@ -129,6 +129,15 @@ def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
   return None
 
 
+def default_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
+                   kv_len: int, *, interpret: bool = False) -> ForwardConfig:
+  """The config ``attention_forward`` runs when given none: ``forward_config``
+  for head_dim padded to a multiple of 64, sized to this GPU's SMs."""
+  return forward_config(_round_up(head_dim, HEAD_DIM_MULTIPLE), dtype, mask,
+                        q_len, kv_len, interpret=interpret,
+                        num_sms=_device.sm_count())
+
+
 def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
                       config: ForwardConfig | None = None,
                       interpret: bool | Any = False,
@@ -143,7 +152,7 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
     k, v: (B, Tk, K, D), same dtype, N % K == 0 (GQA / MQA when K < N).
     scale: the softmax scale (any finite float; callers default to 1/sqrt(D)).
     mask: causal / alignment / window (flash3.visibility.MaskSpec).
-    config: tile sizes and pipeline depth; None picks ``forward_config``
+    config: tile sizes and pipeline depth; None picks ``default_config``
       (the persistent kernel sized to this GPU's SMs).
     interpret: False for the GPU; True or ``plgpu.InterpretGPUParams`` to run
       in GPU interpret mode on the CPU.
@@ -203,9 +212,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   interpret_params = common.interpret_params(interpret)
   if config is None:
-    config = forward_config(d_pad, q.dtype, mask, Tq, Tk,
-                            interpret=interpret_params is not None,
-                            num_sms=_device.sm_count())
+    config = default_config(D, q.dtype, mask, Tq, Tk,
+                            interpret=interpret_params is not None)
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
