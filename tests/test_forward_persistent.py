@@ -92,6 +92,9 @@ PERSISTENT_CASES = [
     ("causal-br-reverse", 1, 330, 333, 2, 1, 64, jnp.bfloat16, CAUSAL_BR,
      _cfg(reverse_q_tiles=True), None),
     ("causal-tl", 2, 200, 130, 1, 1, 64, jnp.float16, CAUSAL_TL, _cfg(num_sms=2), False),
+    # Items of unequal cost (the first query tiles see fewer keys): LPT order.
+    ("causal-window", 1, 330, 400, 2, 1, 64, jnp.bfloat16,
+     W(causal=True, window_left=70, alignment="bottom_right"), _cfg(), None),
     # Rows >= 100 see nothing: items with no key tile at all in between.
     ("empty-items", 1, 384, 100, 2, 1, 64, jnp.bfloat16,
      W(window_left=0, window_right=0), _cfg(num_sms=2), None),
@@ -194,12 +197,17 @@ GPU_CASES = [
     (2, 1023, 1024, 8, 8, 256, jnp.bfloat16, NO_MASK, 64, 2),
     (1, 2048, 2048, 8, 2, 128, jnp.bfloat16, CAUSAL_BR, 128, 2),
     (1, 300, 5, 4, 4, 64, jnp.bfloat16, NO_MASK, 128, 2),
+    # Windows (persistent by default since the fifth session's sweep).
+    (1, 4096, 4096, 16, 16, 128, jnp.bfloat16, W(causal=True, window_left=1024), 128, 2),
+    (2, 1000, 1200, 4, 2, 64, jnp.float16, W(window_left=100, window_right=50), 128, 2),
 ]
 
 
 def _gpu_id(c):
   B, Tq, Tk, N, K, D, dt, mask, bk, st = c
   m = "causal" if mask.causal else "none"
+  if mask.window_left is not None or mask.window_right is not None:
+    m += f"-w{mask.window_left}x{mask.window_right}"
   return f"B{B}-T{Tq}x{Tk}-N{N}K{K}-D{D}-{jnp.dtype(dt).name}-{m}-bk{bk}s{st}"
 
 
@@ -242,8 +250,14 @@ def test_gpu_persistent_options():
     (64, CAUSAL_BR, 2048, True), (128, CAUSAL_TL, 512, True),
     (128, CAUSAL_BR, 1024, False), (64, CAUSAL_BR, 4096, True),
     (64, CAUSAL_BR, 8192, False),
-    (64, MaskSpec(window_left=16, window_right=16), 512, False),
-    (128, MaskSpec(causal=True, window_left=100), 512, False),
+    # Windows: judged by the keys a query tile can see, whatever T is.
+    (128, MaskSpec(causal=True, window_left=1024), 16384, True),
+    (64, MaskSpec(window_left=16, window_right=16), 512, True),
+    (128, MaskSpec(causal=True, window_left=100), 512, True),
+    (128, MaskSpec(window_left=1024, window_right=1024), 16384, False),
+    (64, MaskSpec(window_left=1024, window_right=1024), 16384, True),
+    (256, MaskSpec(causal=True, window_left=1024), 16384, False),
+    (128, MaskSpec(causal=True, window_left=4096), 16384, False),
 ])
 def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
     D, mask, kv_len, want):

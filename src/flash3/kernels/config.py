@@ -155,11 +155,19 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
   12-16% (round-robin items of unequal length idle some SMs), T >= 4096 was
   neutral. With the longest-first schedule (kernels/schedule.py; sweep of
   2026-12-01, second call) causal D=64 gained 3-12% up to T=4096 while causal
-  D=128 still lost 3-5% at T=1024-4096. Masks with a window were not measured
-  and keep the grid kernel.
+  D=128 still lost 3-5% at T=1024-4096. A window bounds every item's keys
+  whatever T is, so it is judged by the keys one query tile can see (window
+  plus a tile): a causal window of 1024 at T=16384, D=128 ran 12% faster
+  persistent (sweep of 2026-12-01, fifth session, docs/benchmarks/h200/
+  2026-12-01-s5/tune.md); other windows follow the non-causal rule untested.
   """
   if mask.window_left is not None or mask.window_right is not None:
-    return False
+    left = kv_len if mask.window_left is None else mask.window_left
+    right = kv_len if mask.window_right is None else mask.window_right
+    if mask.causal:
+      right = 0
+    span = min(kv_len, left + right + 128)  # Keys a 128-row query tile can see.
+    return (head_dim <= 128 and span <= 2048) or (head_dim <= 64 and span <= 4096)
   if mask.causal:
     return (head_dim <= 64 and kv_len <= 4096) or (head_dim <= 128 and kv_len <= 512)
   return (head_dim <= 128 and kv_len <= 2048) or (head_dim <= 64 and kv_len <= 4096)
