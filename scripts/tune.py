@@ -64,13 +64,16 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
   return out
 
 
-def _bwd_candidates(D, causal, nondeterministic=False):
+def _bwd_candidates(D, causal, nondeterministic=False, window=None):
   """Backward configs that fit; with ``nondeterministic`` only the single-kernel
   variants (BackwardConfig.deterministic=False: dq by TMA reduce-add), beside
   the heuristic's deterministic config for reference."""
   from flash3.kernels.backward import BackwardConfig
   from flash3.visibility import MaskSpec
-  base = BackwardConfig.heuristic(D, 4096, 4096, MaskSpec(causal=causal))
+  # The default for this mask (a window changes it), then variants of it.
+  base = BackwardConfig.heuristic(D, 4096, 4096, MaskSpec(
+      causal=causal, window_left=window,
+      window_right=None if window is None or causal else window))
   if nondeterministic:
     if D > 128:  # dk and dv float32 (64, 256) tiles: no registers for dq too.
       return [base]
@@ -86,7 +89,7 @@ def _bwd_candidates(D, causal, nondeterministic=False):
     cands.append(dataclasses.replace(base, reverse_q_tiles=True))
   if D <= 128:
     for kw in (dict(num_stages=3), dict(block_q_dkv=128 if base.block_q_dkv == 64 else 64),
-               dict(block_kv_dq=64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64)):
+               dict(block_kv_dq=128 if base.block_kv_dq == 64 else 64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64)):
       cands.append(dataclasses.replace(base, **kw))
   else:
     for kw in (dict(num_stages=3), dict(split_dkv=False, block_q_dkv=64, num_stages=1)):
@@ -223,7 +226,7 @@ def main():
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages))
     else:
-      cands = _bwd_candidates(D, bool(causal), args.nondeterministic)
+      cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window)
     tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)
               for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)

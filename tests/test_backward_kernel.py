@@ -155,6 +155,21 @@ def test_heuristic_fits_shared_memory(D):
     assert config.split_dkv
 
 
+@pytest.mark.parametrize("D, mask, kv_len, block_kv_dq", [
+    (128, MaskSpec(causal=True, window_left=1024), 16384, 64),
+    (64, MaskSpec(window_left=100, window_right=100), 4096, 64),
+    (128, MaskSpec(causal=True, window_left=4096), 16384, 128),
+    (128, CAUSAL_BR, 16384, 128),
+    (256, MaskSpec(causal=True, window_left=1024), 16384, 64),
+])
+def test_heuristic_takes_small_dq_tiles_for_short_windows(D, mask, kv_len, block_kv_dq):
+  # H200 sweep of 2026-12-01 (fifth session): 64-key dq tiles ran a causal
+  # window of 1024 at T=16384, D=128 12% faster than 128-key tiles.
+  config = BackwardConfig.heuristic(D, kv_len, kv_len, mask)
+  assert config.block_kv_dq == block_kv_dq
+  config.check_fits(D, 2)
+
+
 def test_check_fits_raises():
   config = BackwardConfig(block_kv_dq=256, num_stages=4)
   with pytest.raises(ValueError, match="shared memory"):

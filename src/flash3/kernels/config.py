@@ -145,6 +145,18 @@ def check_fits(config: ForwardConfig, head_dim: int, itemsize: int,
         "or block_kv")
 
 
+def window_key_span(mask: MaskSpec, kv_len: int, rows: int = 128) -> int | None:
+  """Keys that ``rows`` consecutive queries can see under the mask's window, at
+  most ``kv_len``; None without a window. The kernels' defaults take smaller or
+  persistent tiles when this is short (the work per query tile is bounded).
+  """
+  if mask.window_left is None and mask.window_right is None:
+    return None
+  left = kv_len if mask.window_left is None else mask.window_left
+  right = 0 if mask.causal else (kv_len if mask.window_right is None else mask.window_right)
+  return min(kv_len, left + right + rows)
+
+
 def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
   """Whether the persistent kernel is the faster default for these arguments.
 
@@ -161,12 +173,8 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
   persistent (sweep of 2026-12-01, fifth session, docs/benchmarks/h200/
   2026-12-01-s5/tune.md); other windows follow the non-causal rule untested.
   """
-  if mask.window_left is not None or mask.window_right is not None:
-    left = kv_len if mask.window_left is None else mask.window_left
-    right = kv_len if mask.window_right is None else mask.window_right
-    if mask.causal:
-      right = 0
-    span = min(kv_len, left + right + 128)  # Keys a 128-row query tile can see.
+  span = window_key_span(mask, kv_len)
+  if span is not None:
     return (head_dim <= 128 and span <= 2048) or (head_dim <= 64 and span <= 4096)
   if mask.causal:
     return (head_dim <= 64 and kv_len <= 4096) or (head_dim <= 128 and kv_len <= 512)
