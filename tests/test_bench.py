@@ -570,6 +570,38 @@ def test_markdown_summary():
   assert cells[-1] == "1.07" and cells[-2] == "-"  # jax-mgpu unsupported.
 
 
+def test_headline_gives_geometric_means_and_wins():
+  rows = []
+  for d in (64, 128):
+    for t in (1024, 4096):
+      slow = d == 64 and t == 1024  # flash3 behind jax-mgpu on this one case.
+      rows += [_row("cudnn", "fwd", t, 1.0, d=d), _row("cudnn", "fwd+bwd", t, 3.0, d=d),
+               _row("flash3", "fwd", t, 1.6 if slow else 0.5, d=d),
+               _row("flash3", "fwd+bwd", t, 2.5, d=d),
+               _row("jax-mgpu", "fwd", t, 1.25, d=d),
+               _row("jax-mgpu", "fwd+bwd", t, None, status="unsupported", d=d)]
+  rows += results_lib.derive_backward(rows)
+  results_lib.add_ratios(rows, "cudnn")
+  lines = report.headline(rows).splitlines()
+  assert lines[2] == "| suite | dtype | D | mode | flash3/cudnn | jax-mgpu/cudnn |"
+
+  def row(dtype, d, mode):
+    return next(l for l in lines if l.startswith(f"| fa3 | {dtype} | {d} | {mode} |"))
+  # D=64 forward: ratios 1/1.6 and 2; geometric mean sqrt(1.25).
+  assert row("float16", 64, "fwd") == ("| fa3 | float16 | 64 | fwd | 1.12 (0.62-2.00; 2)"
+                                       " | 0.80 (0.80-0.80; 2) |")
+  # Over the suite (two head dims): ratios 0.625, 2, 2, 2.
+  assert row("all", "all", "fwd").split(" | ")[4] == "1.50 (0.62-2.00; 4)"
+  # Backward = (fwd+bwd) - fwd: 2.0 ms like cuDNN, 0.9 ms on the slow case.
+  assert row("all", "all", "bwd").split(" | ")[4:] == ["1.22 (1.00-2.22; 4)", "- |"]
+  assert "- fa3 fwd: 3 of 4 cases" in lines
+  assert "- fa3 fwd+bwd: 4 of 4 cases" in lines
+  # One (dtype, D) per suite: no "all" rows; nothing ran: no headline.
+  one = [r for r in rows if r.head_dim == 128]
+  assert "| all |" not in report.headline(one)
+  assert report.headline([r for r in rows if r.status != "ok"]) == ""
+
+
 def test_markdown_lists_the_subjects_configs_once_per_case():
   rows = synthetic_results()
   for r in rows:

@@ -262,8 +262,11 @@ def _emit(results, env, out_dir, plots: bool) -> None:
     f.write(text + "\n")
   report.write_csv(os.path.join(out_dir, "results.csv"), results, env)
   report.write_json(os.path.join(out_dir, "results.json"), results, env)
+  head = report.headline(results)
+  if head:
+    print("\n" + head)
   with open(os.path.join(out_dir, "summary.md"), "w") as f:
-    f.write(report.markdown(results) + "\n")
+    f.write(report.markdown(results) + "\n" + (f"\n{head}\n" if head else ""))
   written = ["results.json", "results.csv", "table.txt", "summary.md"]
   if plots:
     from flash3.bench import plots as plots_lib

@@ -11,6 +11,7 @@ import csv
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -212,4 +213,58 @@ def markdown(results: Iterable[Result], subject: str = "flash3",
       lines.append(f"| {s.suite} | {s.dtype} | {s.head_dim} | "
                    f"{s.num_heads}/{s.num_kv_heads} | {s.q_len} | {s.mask} | "
                    f"{s.config} |")
+  return "\n".join(lines)
+
+
+def _geomean_cell(ratios: list[float]) -> str:
+  if not ratios:
+    return "-"
+  g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+  return f"{g:.2f} ({min(ratios):.2f}-{max(ratios):.2f}; {len(ratios)})"
+
+
+def headline(results: Iterable[Result], subject: str = "flash3",
+             baseline: str = "cudnn") -> str:
+  """The headline figures, in Markdown: each contender's speed over the
+  baseline's as a geometric mean (min-max; cases) per suite, dtype, head dim
+  and mode, and over each suite; then on how many cases of each mode the
+  subject is at least as fast as every other contender that ran."""
+  results = [r for r in results if r.status == "ok"
+             and r.ratio_to_baseline is not None and r.ratio_to_baseline > 0]
+  if not results:
+    return ""
+  others = sorted({r.impl for r in results} - {subject, baseline})
+  impls = [i for i in [subject] + others if any(r.impl == i for r in results)]
+  kinds: dict[str, set] = {}  # Suite -> its (dtype, D): "all" rows if several.
+  for r in results:
+    kinds.setdefault(r.suite, set()).add((r.dtype, r.head_dim))
+  groups: dict[tuple, dict[str, list[float]]] = {}
+  for r in sorted(results, key=sort_key):
+    keys = [(r.suite, r.dtype, str(r.head_dim), r.mode)]
+    if len(kinds[r.suite]) > 1:
+      keys.append((r.suite, "all", "all", r.mode))
+    for key in keys:
+      groups.setdefault(key, {}).setdefault(r.impl, []).append(r.ratio_to_baseline)
+  header = ["suite", "dtype", "D", "mode"] + [f"{i}/{baseline}" for i in impls]
+  lines = [f"Speed over {baseline}'s, geometric mean (min-max; cases):", "",
+           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  order = sorted(groups, key=lambda k: (k[0], k[1] == "all", k[1],
+                                        k[2] == "all", k[2].zfill(4), k[3]))
+  for key in order:
+    lines.append("| " + " | ".join(list(key) + [
+        _geomean_cell(groups[key].get(i, [])) for i in impls]) + " |")
+  by_case: dict[tuple, dict[str, float]] = {}
+  for r in results:
+    by_case.setdefault((r.suite, r.case_key(), r.mode), {})[r.impl] = r.tflops
+  wins: dict[tuple, list[int]] = {}
+  for (suite, _, mode), speeds in by_case.items():
+    if subject not in speeds or len(speeds) < 2:
+      continue
+    tally = wins.setdefault((suite, mode), [0, 0])
+    tally[1] += 1
+    tally[0] += speeds[subject] >= max(v for k, v in speeds.items() if k != subject)
+  if wins:
+    lines += ["", f"{subject} at least as fast as every other contender that ran:"]
+    lines += [f"- {suite} {mode}: {w} of {n} cases"
+              for (suite, mode), (w, n) in sorted(wins.items())]
   return "\n".join(lines)
