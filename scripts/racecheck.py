@@ -3,7 +3,7 @@
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
 then the persistent forward (plain, causal) with 2 CTAs looping over the work items,
-and the single-kernel backward (dq by TMA reduce-add).
+and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared).
 """
 import jax
 import jax.numpy as jnp
@@ -56,3 +56,13 @@ o, lse = attention_forward(q, k, v, scale=0.125, mask=mask)
 dq, dk, dv = attention_backward(q, k, v, o, lse, o, scale=0.125, mask=mask,
                                 config=BackwardConfig(block_q_dkv=64, deterministic=False))
 print(f"single-kernel backward: finite {bool(jnp.isfinite(dq.astype(jnp.float32)).all())}")
+
+# The same with the warpgroups sharing each query tile's dq (share_dq, D = 128).
+q2, k2, v2 = (jax.random.normal(kk, (1, s, n, 128), jnp.bfloat16)
+              for kk, s, n in zip(ks, (192, 200, 200), (2, 1, 1)))
+o2, lse2 = attention_forward(q2, k2, v2, scale=0.09, mask=mask)
+dq2, dk2, dv2 = attention_backward(
+    q2, k2, v2, o2, lse2, o2, scale=0.09, mask=mask,
+    config=BackwardConfig(block_q_dkv=64, deterministic=False, share_dq=True))
+print(f"single-kernel backward, shared dq: finite "
+      f"{bool(jnp.isfinite(dq2.astype(jnp.float32)).all())}")

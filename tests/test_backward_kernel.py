@@ -1155,6 +1155,10 @@ def test_segment_tile_plans_cover_mask_and_skip(mask):
 # ----------------------------------------------------------------------------
 
 FUSED = BackwardConfig(block_q_dkv=64, num_stages=2, deterministic=False)
+# The two warpgroups share each query tile's dq (half its columns each).
+SHARED = dataclasses.replace(FUSED, share_dq=True)
+# Interpret mode's staging buffers leave room for one ring stage at D = 128.
+SHARED_INTERPRET = dataclasses.replace(SHARED, num_stages=1)
 
 
 def test_fused_config_rules():
@@ -1196,6 +1200,71 @@ def test_interpret_fused_backward_matches_reference(B, Tq, Tk, N, K, D, dtype, m
     assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
 
 
+def test_shared_dq_config_rules():
+  with pytest.raises(ValueError, match="share_dq"):
+    BackwardConfig(share_dq=True)  # deterministic: no dq to share
+  with pytest.raises(ValueError, match="compute_wgs_dkv"):
+    dataclasses.replace(SHARED, compute_wgs_dkv=1)
+  with pytest.raises(ValueError, match="share_dq"):
+    BackwardConfig(share_dq=1, deterministic=False)
+  with pytest.raises(ValueError, match="head_dim=64"):
+    SHARED.check_fits(64)
+  SHARED.check_fits(128)
+  SHARED_INTERPRET.check_fits(128, interpret=True)
+  # Double-buffered dsT tiles, and one float32 (64, 128) dq tile split in two.
+  assert SHARED.smem_bytes(128)[1] == (
+      BackwardConfig(block_q_dkv=64, num_stages=2).smem_bytes(128)[1]
+      + 2 * 2 * 64 * 64 * 2 + 64 * 128 * 4)
+
+
+SHARED_CASES = [
+    # B, Tq, Tk, N, K, dtype, mask (D = 128)
+    (1, 136, 200, 2, 1, BF16, CAUSAL_BR),
+    (2, 96, 130, 4, 2, F16, CAUSAL_TL),           # GQA 2, batch 2
+    (1, 77, 190, 3, 1, F16, NO_MASK),             # GQA 3, ragged tails
+    (1, 190, 210, 1, 1, BF16, W(window_left=40, window_right=10)),
+    (1, 5, 3, 1, 1, BF16, CAUSAL_BR),             # tiny, dead rows
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,dtype,mask", SHARED_CASES)
+def test_interpret_shared_dq_matches_reference(B, Tq, Tk, N, K, dtype, mask):
+  q, k, v, do, (dq, dk, dv) = check(B, Tq, Tk, N, K, 128, dtype, mask,
+                                    config=SHARED_INTERPRET, interpret=True,
+                                    seed=Tq + 5 * Tk)
+  two = dataclasses.replace(SHARED_INTERPRET, share_dq=False, deterministic=True)
+  _, dk2, dv2 = run_kernels(q, k, v, do, scale=128 ** -0.5, mask=mask, config=two,
+                            interpret=True)
+  np.testing.assert_array_equal(np.asarray(dk, np.float32), np.asarray(dk2, np.float32))
+  np.testing.assert_array_equal(np.asarray(dv, np.float32), np.asarray(dv2, np.float32))
+  dead = dead_query_rows(mask, Tq, Tk)
+  if dead.any():
+    assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
+
+
+@pytest.mark.interpret
+def test_interpret_shared_dq_no_races_with_options():
+  # Tq, Tk such that the two warpgroups' keys see different query tiles (one
+  # skips steps the other computes: it still takes part with a zero dsT).
+  # The interpreter does not race-check wgmma operands (jax 0.11.2,
+  # gpu_callbacks.wgmma: "TODO: Vector clocks"), so the wait before dk is
+  # staged in the K tile the other warpgroup's last dq reads is checked by
+  # compute-sanitizer on the GPU (scripts/racecheck.py), not here.
+  q, k, v, do = make_inputs(jax.random.key(7), 2, 136, 200, 2, 1, 128, BF16)
+  o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=CAUSAL_BR)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  grads = attention_backward(q, k, v, o, lse, do, scale=0.125, mask=CAUSAL_BR,
+                             config=SHARED_INTERPRET, interpret=params)
+  jax.block_until_ready(grads)
+  assert not interpret_pallas_call.get_races().races_found, "race in the shared dq"
+  assert_grads_match(grads, q, k, v, do, scale=0.125, mask=CAUSAL_BR)
+  check_opts(2, 200, 230, 4, 2, 128, BF16, CAUSAL_BR, interpret=True,
+             config=SHARED_INTERPRET, softcap=2.0, q_lengths=[200, 57],
+             kv_lengths=[150, 230], q_segment_ids=[_packed(120, 80), _packed(200)],
+             kv_segment_ids=[_packed(130, 100), _packed(230)])
+
+
 @pytest.mark.interpret
 def test_interpret_fused_backward_with_options():
   check_opts(2, 200, 230, 4, 2, 64, BF16, CAUSAL_BR, interpret=True, config=FUSED,
@@ -1217,11 +1286,11 @@ def test_interpret_fused_backward_no_races():
   assert_grads_match(grads, q, k, v, do, scale=0.125, mask=mask)
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_fused_backward_lowers_for_the_gpu_with_reduce_add(D):
+@pytest.mark.parametrize("D, config", [(64, FUSED), (128, FUSED), (128, SHARED)])
+def test_fused_backward_lowers_for_the_gpu_with_reduce_add(D, config):
   q, k, v, do = make_inputs(jax.random.key(0), 2, 300, 260, 4, 2, D, BF16)
   o, lse = q, jnp.zeros((2, 4, 300), jnp.float32)
-  f = functools.partial(attention_backward, scale=0.1, mask=CAUSAL_BR, config=FUSED)
+  f = functools.partial(attention_backward, scale=0.1, mask=CAUSAL_BR, config=config)
   text = jax.jit(f).trace(q, k, v, o, lse, do).lower(
       lowering_platforms=("cuda",)).as_text()
   # One Mosaic GPU call (no dq kernel), whose TMA stores reduce-add into dq.
@@ -1241,22 +1310,27 @@ FUSED_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", FUSED_GPU_CASES)
-def test_gpu_fused_backward(B, Tq, Tk, N, K, D, dtype, mask):
-  q, k, v, do, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, config=FUSED,
+@pytest.mark.parametrize(  # share_dq needs head_dim a multiple of 128.
+    "B,Tq,Tk,N,K,D,dtype,mask,shared",
+    [c + (False,) for c in FUSED_GPU_CASES]
+    + [c + (True,) for c in FUSED_GPU_CASES if c[5] % 128 == 0])
+def test_gpu_fused_backward(B, Tq, Tk, N, K, D, dtype, mask, shared):
+  config = SHARED if shared else FUSED
+  q, k, v, do, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, config=config,
                                     seed=Tq + Tk)
   # dk, dv are still bitwise reproducible; dq's float32 sums are not, but stay
   # within the same tolerance run to run.
-  dq2, dk2, dv2 = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=FUSED)
+  dq2, dk2, dv2 = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=config)
   np.testing.assert_array_equal(np.asarray(dk, np.float32), np.asarray(dk2, np.float32))
   np.testing.assert_array_equal(np.asarray(dv, np.float32), np.asarray(dv2, np.float32))
   assert_grads_match((dq2, dk2, dv2), q, k, v, do, scale=D ** -0.5, mask=mask)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [FUSED, SHARED], ids=["per_wg", "shared"])
 @pytest.mark.parametrize("name", ["lengths_causal_br", "softcap_lengths_gqa",
                                   "segments_window_lengths"])
-def test_gpu_fused_backward_options(name):
+def test_gpu_fused_backward_options(name, config):
   B, Tq, Tk, N, K, mask, opts = GPU_OPTION_CASES[name]
-  check_opts(B, Tq, Tk, N, K, 128, BF16, mask, interpret=False, config=FUSED,
+  check_opts(B, Tq, Tk, N, K, 128, BF16, mask, interpret=False, config=config,
              seed=Tq, **opts)

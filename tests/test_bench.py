@@ -298,7 +298,8 @@ def test_parse_shape():
 
 def test_parse_defaults_and_quick():
   args = cli.parse([])
-  assert args.suite == "fa3" and args.iterations == 10 and not args.no_tune
+  assert args.suite is None and args.iterations == 10 and not args.no_tune
+  assert {c.suite for c in cli.select_cases(args)} == {"fa3"}  # The default.
   assert args.modes == ("fwd", "fwd+bwd") and args.out == "bench-results"
   assert args.compile_jobs == 8 and runner.Options().compile_jobs == 8
   assert cli.parse(["--compile-jobs", "1"]).compile_jobs == 1
@@ -311,6 +312,10 @@ def test_parse_defaults_and_quick():
   assert [c.dtype for c in selected] == ["float16", "bfloat16"]
   assert selected[0].mask == "causal+window(16,0)+docs2"
   assert args.impls == ("cudnn", "flash3") and args.modes == ("fwd",)
+  # One int W is the window (W, W), as jax.nn's local_window_size takes it.
+  (case,) = cli.select_cases(cli.parse(["--shape", "B=1,T=256,N=4,D=64",
+                                        "--window", "5"]))
+  assert case.window == (5, 5) and case.mask == "window(5,5)"
 
 
 def test_lengths_flag():
@@ -367,7 +372,8 @@ def test_seqlens_and_head_dims_filter_a_suite():
 
 
 @pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--modes", "bwd"],
-                                  ["--window", "3"], ["--iterations", "0"],
+                                  ["--window", "1,2,3"], ["--window", "a"],
+                                  ["--iterations", "0"],
                                   ["--suite", "nope"],
                                   ["--list", "--shape", "B=2,T=64,N=4,D=64", "--docs", "0"],
                                   ["--list", "--shard", "2/2"],
@@ -386,7 +392,11 @@ def test_bad_arguments_exit_2(argv, capsys):
                                   ["--replot", "/nonexistent.json"],
                                   ["--replot", "README.md"],
                                   ["--merge", "docs/benchmarks/h200", "/nonexistent"],
-                                  ["--list", "--skip-done", "/nonexistent"]])
+                                  ["--list", "--skip-done", "/nonexistent"],
+                                  # Head dims flash3 does not take.
+                                  ["--list", "--shape", "B=2,T=64,N=4,K=2,D=512"],
+                                  ["--list", "--shape", "B=2,T=64,N=4,D=12"],
+                                  ["--list", "--quick", "--suite", "long"]])
 def test_bad_inputs_return_2_with_one_line(argv, capsys):
   assert cli.main(argv) == 2
   err = capsys.readouterr().err

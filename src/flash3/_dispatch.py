@@ -25,8 +25,10 @@ def interpret_kernels(detect_races: bool = False):
   shapes). Inside this context implementation="mosaic" works on any device.
 
   Args:
-    detect_races: ask the interpreter to report shared-memory races; read
-      them with ``flash3.kernels.common.races_found()`` after each call.
+    detect_races: ask the interpreter to report shared-memory races; after a
+      call, ``jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call
+      .get_races().races_found`` says whether it found one (jax 0.11.2; its
+      wgmma operands are not race-checked).
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu
   global _interpret_params

@@ -72,6 +72,9 @@ class Case:
                  "head_dim"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.head_dim % 8 or self.head_dim > 256:
+      raise ValueError(f"head_dim={self.head_dim}: flash3 takes head dims that "
+                       f"are multiples of 8 up to 256")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")

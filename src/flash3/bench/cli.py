@@ -49,11 +49,15 @@ def _csv(choices: tuple[str, ...] | None = None):
 
 
 def _window(text: str) -> tuple[int, int]:
+  """"LEFT,RIGHT" -> (LEFT, RIGHT); one int W means (W, W), as in jax.nn."""
   try:
-    left, right = (int(x) for x in text.split(","))
+    parts = [int(x) for x in text.split(",")]
   except ValueError:
+    parts = []
+  if len(parts) not in (1, 2):
     raise argparse.ArgumentTypeError(
-        f"--window {text!r}: expected LEFT,RIGHT (two ints)") from None
+        f"--window {text!r}: expected LEFT,RIGHT or W (ints)")
+  left, right = parts if len(parts) == 2 else parts * 2
   if left < 0 or right < 0:
     raise argparse.ArgumentTypeError(f"--window {text!r}: must be >= 0")
   return left, right
@@ -121,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
       prog="flash3-bench",
       description="Benchmark flash3 against cuDNN, XLA, jax's FA3 and "
                   "tokamax on a Hopper GPU: table, CSV/JSON and PNG plots.")
-  p.add_argument("--suite", default="fa3",
+  p.add_argument("--suite", default=None,
                  choices=sorted(cases_lib.SUITES) + ["all"],
                  help="which shapes (default fa3; all = fa3 gqa long masks)")
   p.add_argument("--quick", action="store_true",
@@ -132,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                       '"B=2,T=4096,N=32,K=8,D=128" (Tq=, Tk= for unequal)')
   p.add_argument("--causal", action="store_true", help="with --shape")
   p.add_argument("--window", type=_window, default=None,
-                 help="with --shape: local window LEFT,RIGHT (inclusive)")
+                 help="with --shape: local window LEFT,RIGHT (inclusive) or W for W,W")
   p.add_argument("--docs", type=_positive_int, default=None,
                  help="with --shape: packed documents of equal length per row")
   p.add_argument("--lengths", type=_lengths, default=None, metavar="L1,L2,...",
@@ -209,7 +213,10 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
       or args.lengths is not None):
     raise ValueError("--causal, --window, --docs and --lengths go with "
                      "--shape")
-  suite = "quick" if args.quick else args.suite
+  if args.quick and args.suite is not None:
+    raise ValueError(f"--quick runs its own cases; drop --suite {args.suite} "
+                     "(or --quick)")
+  suite = "quick" if args.quick else (args.suite or "fa3")
   cases = cases_lib.suite_cases(suite, args.dtypes)
   if args.seqlens is not None:
     cases = [c for c in cases if c.q_len in args.seqlens]

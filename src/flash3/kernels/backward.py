@@ -67,7 +67,9 @@ Limitations (today):
   ``BackwardConfig(deterministic=False)`` (D 64 and 128) is the 5-matmul
   variant: the dk/dv kernel alone, adding dq += ds k with TMA reduce-add;
   ``dot_product_attention(deterministic=False)`` takes it at D = 64, where an
-  H200 sweep found it faster.
+  H200 sweep found it faster. ``BackwardConfig(share_dq=True)`` (D = 128)
+  has the two warpgroups share each query tile's dq, one reduce-add per CTA
+  instead of one per warpgroup; not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -125,6 +127,13 @@ class BackwardConfig:
       and adds them in XLA (its TMA has no reduce-add). Its GPU tests passed
       on an H200 (2026-12-01); it was 8-22% slower than the default at D=128
       and 2-13% faster on three of four D=64 shapes.
+    share_dq: with ``deterministic`` False and two compute warpgroups, the
+      warpgroups share each query tile's dq: both put their dsT tile in shared
+      memory and each forms half of dq's columns from both (two wgmmas), so a
+      CTA sends one float32 (64, D) dq tile per query tile by reduce-add
+      instead of one per warpgroup (half the atomic traffic, half the dq
+      registers), as FlashAttention-3 does. Needs head_dim a multiple of 128.
+      Tested in interpret mode; not yet timed on a GPU, so not a default.
   """
 
   block_q_dq: int = 64
@@ -138,6 +147,7 @@ class BackwardConfig:
   fuse_matmuls: bool = False
   reverse_q_tiles: bool = False
   deterministic: bool = True
+  share_dq: bool = False
 
   def __post_init__(self):
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -145,8 +155,14 @@ class BackwardConfig:
     check_multiple("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
     check_multiple("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
-    for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic"):
+    for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
+                 "share_dq"):
       check_bool(name, getattr(self, name))
+    if self.share_dq and (self.deterministic or self.compute_wgs_dkv != 2):
+      raise ValueError(
+          f"share_dq=True needs deterministic=False and compute_wgs_dkv=2 (two "
+          f"warpgroups that share dq); got deterministic={self.deterministic}, "
+          f"compute_wgs_dkv={self.compute_wgs_dkv}")
     if not self.deterministic and (self.split_dkv or self.block_q_dkv != 64):
       raise ValueError(
           f"deterministic=False needs split_dkv=False and block_q_dkv=64 (one "
@@ -168,13 +184,20 @@ class BackwardConfig:
     dkv += s * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
     if interpret:
       dkv += w * bk * bq * itemsize  # pT / dsT staging
-    if not self.deterministic:
+    if self.share_dq:  # dsT double-buffered, each warpgroup's half dq tile
+      dkv += 2 * w * bk * bq * itemsize + bq * head_dim * 4
+    elif not self.deterministic:
       dkv += w * (bk * bq * itemsize + bq * head_dim * 4)  # dsT, float32 dq tile
     return (dq + _SMEM_RESERVED_BYTES, dkv + _SMEM_RESERVED_BYTES)
 
   def check_fits(self, head_dim: int, itemsize: int = 2,
                  interpret: bool = False) -> None:
-    """Raises ValueError if either kernel needs more than 227 KiB of smem."""
+    """Raises ValueError if either kernel needs more than 227 KiB of smem, or
+    for ``share_dq`` with a head_dim that does not split into two halves of
+    whole 64-column tiles."""
+    if self.share_dq and head_dim % 128:
+      raise ValueError(f"share_dq=True needs head_dim a multiple of 128; got "
+                       f"head_dim={head_dim}")
     for kernel, need in zip(("dq", "dk/dv"),
                             self.smem_bytes(head_dim, itemsize, interpret)):
       if need > SMEM_LIMIT_BYTES:
@@ -552,9 +575,10 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   ``dq_mode`` (``BackwardConfig.deterministic`` False): also returns the
   unscaled float32 sum of ds @ k over all keys, (B, Tq buffer, N, D): "atomic"
   adds each tile's part into one zeroed float32 array with TMA reduce-add
-  stores (GPU); "partials" stores each warpgroup's part into its own slice of
-  a zeroed (B, kv tiles * warpgroups, Tq, N, D) and sums those in XLA
-  (interpret mode, whose TMA has no reduce-add).
+  stores (GPU); "partials" stores each warpgroup's part (each CTA's, with
+  ``config.share_dq``) into its own slice of a zeroed (B, kv tiles *
+  warpgroups, Tq, N, D) and sums those in XLA (interpret mode, whose TMA has
+  no reduce-add).
 
   q_len, kv_len are the true lengths; the arrays may be longer (padded).
   ``lengths``, ``segments`` as in ``_dq_call``, the segment ranges here being
@@ -572,6 +596,11 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staged = not common.uses_register_operands(interpret)
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  # config.share_dq: warpgroup w forms columns [w * half, (w + 1) * half) of
+  # each query tile's dq from every warpgroup's dsT (double-buffered by step
+  # parity in ds_smem2[parity * wgs + warpgroup]).
+  share = dq_mode is not None and config.share_dq
+  half = head_dim // wgs if share else head_dim
   extra = ((*lengths,) if lengths is not None else ()) + (
       (*segments,) if segments is not None else ())
   # dq's float32 accumulator: a zeroed mutable array the kernel closes over
@@ -586,7 +615,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
      ds_smem2, dq_stage2,
-     k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed) = rest
+     k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed,
+     ds_ready, all_done) = rest
     b = lax.axis_index(common.BATCH_AXIS)
     lens, seg_refs = _split_extras(extra_refs, lengths is not None,
                                    segments is not None, b)
@@ -630,6 +660,36 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       if seg_refs is not None:  # This warpgroup's key ids, one per row.
         k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+      def share_dq_tile(ds, i, rows):
+        """Step i's dq for query rows ``rows``: this warpgroup's columns."""
+        parity = lax.rem(i, jnp.int32(2))
+        ds_smem2.at[parity * wgs + wg][...] = ds
+        plgpu.commit_smem()
+        # Both warpgroups wait for both dsT tiles. A warpgroup rewrites its
+        # buffer of this parity two steps on, after the next step's wait,
+        # which the other warpgroup passes only once its reads here are done.
+        plgpu.barrier_arrive(ds_ready.at[parity])
+        plgpu.barrier_wait(ds_ready.at[parity])
+        for w in range(wgs):  # Static column slices: one branch per warpgroup.
+          @pl.when(wg == w)
+          def _():
+            cols = pl.ds(w * half, half)
+            part = common.matmul_smem_sum(
+                [(ds_smem2.at[parity * wgs + u].transpose((1, 0)),
+                  k_smem2.at[u].at[:, cols]) for u in range(wgs)], (bq, half))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dq_stage2.at[w][...] = part
+            plgpu.commit_smem()
+            bb, q_rows, h = rows
+            if "atomic" in dq_refs:
+              plgpu.copy_smem_to_gmem(dq_stage2.at[w],
+                                      dq_refs["atomic"].at[bb, q_rows, h, cols],
+                                      reduction_op="add")
+            else:
+              tile = lax.axis_index(common.KV_TILES_AXIS)
+              plgpu.copy_smem_to_gmem(
+                  dq_stage2.at[w], dq_refs["partials"].at[bb, tile, q_rows, h, cols])
 
       def step(t, carry, head_base, g, masked: bool):
         dk, dv = carry
@@ -681,24 +741,43 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                                               staging=staging)
         if not (release_early and want_dk):
           plgpu.barrier_arrive(consumed.at[slot])
-        if dq_mode is not None:  # Reads only k and dsT: after the slot's release.
+        if share:  # Reads only k and dsT: after the slot's release.
+          share_dq_tile(dsT.astype(dtype), head_base + t - cta_lo,
+                        (b, pl.ds(t * bq, bq), kv_head * group + g))
+        elif dq_mode is not None:  # Reads only k and dsT: after the slot's release.
           _add_dq_tile(dsT.astype(dtype), ds_smem2.at[wg], dq_stage2.at[wg],
                        k_smem, (b, pl.ds(t * bq, bq), kv_head * group + g),
                        dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
                        slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
         return dk, dv
 
+      def skip(lo, hi, base, g):
+        """Tiles this warpgroup's keys do not see: release their slots; with
+        share_dq still take part in their dq with a zero dsT."""
+        if not share:
+          _drain_loop(lo, hi, lambda t: slot_of(base + t - cta_lo), ready, consumed)
+          return
+
+        def body(t, carry):
+          i = base + t - cta_lo
+          for barrier in ready:
+            plgpu.barrier_wait(barrier.at[slot_of(i)])
+          plgpu.barrier_arrive(consumed.at[slot_of(i)])
+          zero = plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA)
+          share_dq_tile(zero, i, (b, pl.ds(t * bq, bq), kv_head * group + g))
+          return carry
+        lax.fori_loop(lo, hi, body, None)
+
       def head(g, carry):
         base = g * tiles_per_head
-        slot_in_head = lambda t: slot_of(base + t - cta_lo)
-        _drain_loop(cta_lo, t_lo, slot_in_head, ready, consumed)
+        skip(cta_lo, t_lo, base, g)
         carry = lax.fori_loop(t_lo, a, functools.partial(
             step, head_base=base, g=g, masked=True), carry)
         carry = lax.fori_loop(a, b_full, functools.partial(
             step, head_base=base, g=g, masked=False), carry)
         carry = lax.fori_loop(b_full, t_hi, functools.partial(
             step, head_base=base, g=g, masked=True), carry)
-        _drain_loop(t_hi, cta_hi, slot_in_head, ready, consumed)
+        skip(t_hi, cta_hi, base, g)
         return carry
 
       zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, head_dim), jnp.float32),
@@ -706,6 +785,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       dk = zeros() if want_dk else None
       dv = zeros() if want_dv else None
       dk, dv = lax.fori_loop(0, group, head, (dk, dv))
+      if share:  # The other warpgroup's last dq reads our K tile: wait for it.
+        plgpu.barrier_arrive(all_done.at[0])
+        plgpu.barrier_wait(all_done.at[0])
       # K and V are no longer read: reuse their tiles to stage the results.
       if dk is not None:
         dk = dk * scale
@@ -770,14 +852,17 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       staging,
       # dsT, the left operand (transposed) of dq += ds @ k, and the float32
       # dq tile a TMA store reads.
-      plgpu.SMEM((wgs, bk, bq), dtype,
+      plgpu.SMEM(((2 if share else 1) * wgs, bk, bq), dtype,
                  transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
       if with_dq else None,
-      plgpu.SMEM((wgs, bq, head_dim), jnp.float32) if with_dq else None,
+      plgpu.SMEM((wgs, bq, half), jnp.float32) if with_dq else None,
       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+      # share_dq: both dsT tiles of a step written (per parity); all dq done.
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=2) if share else None,
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=1) if share else None,
   ]
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in outputs]
   call = plgpu.kernel(
@@ -796,8 +881,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
   def run(*args):
     rows = (batch, q.shape[1], num_heads, head_dim)
-    if dq_mode == "partials":
-      rows = (batch, num_kv_tiles * wgs) + rows[1:]
+    if dq_mode == "partials":  # One slice per warpgroup, or per CTA if shared.
+      rows = (batch, num_kv_tiles * (1 if share else wgs)) + rows[1:]
     dq_refs[dq_mode] = jax.new_ref(jnp.zeros(rows, jnp.float32))
     results = call(*args)
     dq = dq_refs.pop(dq_mode)[...]

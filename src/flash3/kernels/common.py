@@ -170,3 +170,15 @@ def accumulate_register_lhs(acc: jax.Array, a: jax.Array, b_ref, *,
   staging[...] = a
   plgpu.commit_smem()
   return acc + matmul_smem(staging, b_ref, acc.shape, while_running)
+
+
+def matmul_smem_sum(pairs, shape: tuple[int, int]) -> jax.Array:
+  """``sum(a @ b for a, b in pairs)`` (all in shared memory), float32.
+
+  The wgmmas accumulate into one fresh accumulator before a single wait.
+  """
+  def body(acc_ref):
+    for a_ref, b_ref in pairs:
+      plgpu.wgmma(acc_ref, a_ref, b_ref)
+    return acc_ref[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
