@@ -444,3 +444,14 @@ def test_scale_must_be_a_number(scale):
   q = jnp.ones((1, 4, 1, 8))
   with pytest.raises(ValueError, match="scale="):
     flash3.dot_product_attention(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])
+def test_lengths_of_rank3_inputs_are_one_value(name):
+  # Rank-3 inputs (T, N, D) have no batch axis: a scalar or one length.
+  q3, k3 = np.zeros((TQ, N, D), np.float32), np.zeros((TK, N, D), np.float32)
+  with pytest.raises(ValueError, match="no batch axis") as info:
+    flash3.dot_product_attention(q3, k3, k3, **{name: np.array([1, 1], np.int32)})
+  assert name in str(info.value) and "(2,)" in str(info.value)
+  out = flash3.dot_product_attention(q3, k3, k3, **{name: np.int32(1)})
+  assert out.shape == q3.shape

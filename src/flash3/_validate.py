@@ -155,7 +155,9 @@ def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
   if unbatched and x.ndim == 0:
     x = x.reshape(1)
   if _shape(x) != (batch,):
-    raise ValueError(f"{name} has shape {_shape(x)}; allowed: (B,) = ({batch},)")
+    allowed = ("a scalar or shape (1,) (rank-3 inputs have no batch axis)"
+               if unbatched else f"(B,) = ({batch},)")
+    raise ValueError(f"{name} has shape {_shape(x)}; allowed: {allowed}")
   if _is_concrete(x) and x.size:
     lo, hi = int(jnp.min(x)), int(jnp.max(x))
     if lo < 0 or hi > max_len:
