@@ -1361,3 +1361,29 @@ def test_tokamax_gets_jax_nn_arguments(monkeypatch):
       out = runner.timed_function(variant, mode)(q, k, v, do, *variant.aux)
       ok, _, detail = reference.check(case, expectations[mode], out)
       assert ok, (case.label(), mode, detail)
+
+
+def test_source_tree_hash_is_gits_tree_hash(tmp_path):
+  # The environment's source_tree names the code that ran, comparable with
+  # `git rev-parse <commit>:src/flash3` even where a copy's .git lags.
+  import shutil
+  import subprocess
+  if shutil.which("git") is None:
+    pytest.skip("no git")
+  pkg = tmp_path / "pkg"
+  (pkg / "sub" / "__pycache__").mkdir(parents=True)
+  (pkg / "a.py").write_text("x = 1\n")
+  (pkg / "sub" / "b.py").write_text("y = 2\n")
+  (pkg / "sub-c.txt").write_text("sorts between sub and sub/\n")
+  (pkg / "run.sh").write_text("#!/bin/sh\n")
+  (pkg / "run.sh").chmod(0o755)
+  (pkg / "sub" / "__pycache__" / "b.cpython-312.pyc").write_bytes(b"\0")
+  git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+  git("init", "-q")
+  git("add", "pkg/a.py", "pkg/sub/b.py", "pkg/sub-c.txt", "pkg/run.sh")
+  want = git("write-tree")
+  want = git("rev-parse", f"{want}:pkg")
+  assert report.source_tree_hash(str(pkg)) == want[:12]
+  (pkg / "a.py").write_text("x = 2\n")  # A changed file: another hash.
+  assert report.source_tree_hash(str(pkg)) != want[:12]

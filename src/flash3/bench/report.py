@@ -20,7 +20,42 @@ from typing import Iterable
 from flash3.bench.results import FIELDS, Result
 
 ENV_FIELDS = ("gpu", "driver", "cuda_runtime", "jax", "jaxlib", "cudnn",
-              "tokamax", "flash3", "git_commit", "date")
+              "tokamax", "flash3", "git_commit", "source_tree", "date")
+
+
+def source_tree_hash(path: str) -> str:
+  """Git's tree hash of the files under ``path`` (``__pycache__``, ``.pyc`` and
+  ``.egg-info`` left out): equal to ``git rev-parse <commit>:src/flash3`` when
+  the package's files are that commit's. It names the code that ran even where
+  a copy's git metadata lags behind its files (the GPU machines' copies)."""
+  import hashlib
+
+  def git_hash(kind: bytes, data: bytes) -> bytes:
+    return hashlib.sha1(kind + b" %d\0" % len(data) + data).digest()
+
+  def tree(d: str) -> bytes:
+    entries = []
+    for name in os.listdir(d):
+      full = os.path.join(d, name)
+      if name == "__pycache__" or name.endswith((".pyc", ".egg-info")):
+        continue
+      if os.path.isdir(full):
+        sub = tree(full)
+        if sub is not None:
+          entries.append((name + "/", b"40000 " + name.encode() + b"\0" + sub))
+      elif os.path.isfile(full):
+        with open(full, "rb") as f:
+          blob = git_hash(b"blob", f.read())
+        mode = b"100755" if os.access(full, os.X_OK) else b"100644"
+        entries.append((name, mode + b" " + name.encode() + b"\0" + blob))
+    if not entries:
+      return None
+    # Git orders entries by name, a directory's name as if it ended in "/".
+    body = b"".join(e for _, e in sorted(entries, key=lambda e: e[0].encode()))
+    return git_hash(b"tree", body)
+
+  digest = tree(path)
+  return digest.hex()[:12] if digest is not None else "unknown"
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -76,6 +111,7 @@ def environment(argv: list[str] | None = None) -> dict:
     # Uncommitted changes anywhere in the flash3 package (kernels included).
     dirty = _run(["git", "-C", here, "status", "--porcelain", "--", ".."])
     env["git_commit"] = commit + ("+dirty" if dirty else "")
+  env["source_tree"] = source_tree_hash(os.path.dirname(here))
   env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds")
   env["command"] = " ".join(["flash3-bench"] + list(
