@@ -3,6 +3,7 @@
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
 then the persistent forward (plain, causal) with 2 CTAs looping over the work items,
+the forward with overlapped softmax (grid, persistent),
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared).
 """
 import jax
@@ -44,6 +45,14 @@ for name, mask in {"persistent plain": MaskSpec(),
   base = forward_config(64, jnp.bfloat16, mask, 192, 200)
   config = ForwardConfig(block_kv=base.block_kv, num_stages=base.num_stages,
                          reverse_q_tiles=base.reverse_q_tiles, persistent=True, num_sms=2)
+  o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
+  print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+# The forward with each tile's softmax overlapping the previous P @ V (opt-in,
+# ForwardConfig(overlap_softmax=True)), grid and persistent.
+for name, persistent in (("overlapped softmax", False), ("overlapped softmax, persistent", True)):
+  mask = MaskSpec(causal=True, alignment="bottom_right")
+  config = ForwardConfig(block_kv=64, overlap_softmax=True, persistent=persistent, num_sms=2)
   o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
   print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 

@@ -42,7 +42,8 @@ def _init(lock):
 
 
 def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
-                    block_kvs=(64, 128, 192, 256), stages=(2, 3, 4)):
+                    block_kvs=(64, 128, 192, 256), stages=(2, 3, 4),
+                    overlap=(False,)):
   """Forward configs that fit; ``persistent`` lists the values of that field to sweep.
 
   Persistent variants stage o apart from q where shared memory allows
@@ -50,8 +51,8 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
   """
   from flash3.kernels.config import ForwardConfig, check_fits
   out = []
-  for bk, st in itertools.product(block_kvs, stages):
-    c = ForwardConfig(block_kv=bk, num_stages=st)
+  for bk, st, ov in itertools.product(block_kvs, stages, overlap):
+    c = ForwardConfig(block_kv=bk, num_stages=st, overlap_softmax=bool(ov))
     try:
       check_fits(c, D, 2)
     except ValueError:
@@ -64,14 +65,14 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
   return out
 
 
-def _bwd_candidates(D, causal, nondeterministic=False, window=None):
+def _bwd_candidates(D, causal, nondeterministic=False, window=None, T=4096):
   """Backward configs that fit; with ``nondeterministic`` only the single-kernel
   variants (BackwardConfig.deterministic=False: dq by TMA reduce-add), beside
   the heuristic's deterministic config for reference."""
   from flash3.kernels.backward import BackwardConfig
   from flash3.visibility import MaskSpec
   # The default for this mask (a window changes it), then variants of it.
-  base = BackwardConfig.heuristic(D, 4096, 4096, MaskSpec(
+  base = BackwardConfig.heuristic(D, T, T, MaskSpec(
       causal=causal, window_left=window,
       window_right=None if window is None or causal else window))
   if nondeterministic:
@@ -205,6 +206,8 @@ def main():
                        "causal, after) the query; cuDNN gets the same window")
   ap.add_argument("--persistent", type=int, nargs="+", default=[0],
                   help="fwd: values of ForwardConfig.persistent to sweep (0 1 for both)")
+  ap.add_argument("--overlap", type=int, nargs="+", default=[0],
+                  help="ForwardConfig.overlap_softmax values to sweep, e.g. 0 1")
   ap.add_argument("--num-sms", type=int, default=132,
                   help="fwd: CTAs of the persistent kernel (132 SMs on an H200)")
   ap.add_argument("--block-kv", type=int, nargs="+", default=[64, 128, 192, 256],
@@ -225,9 +228,10 @@ def main():
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
     if args.what == "fwd":
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
-                              tuple(args.block_kv), tuple(args.stages))
+                              tuple(args.block_kv), tuple(args.stages),
+                              tuple(args.overlap))
     else:
-      cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window)
+      cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window, T)
     tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)
               for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)

@@ -161,6 +161,9 @@ def test_heuristic_fits_shared_memory(D):
     (128, MaskSpec(causal=True, window_left=4096), 16384, 128),
     (128, CAUSAL_BR, 16384, 128),
     (256, MaskSpec(causal=True, window_left=1024), 16384, 64),
+    # A window that does not bind is no window.
+    (128, MaskSpec(causal=True, window_left=4096), 2048, 128),
+    (128, MaskSpec(causal=True, window_right=0), 1024, 128),
 ])
 def test_heuristic_takes_small_dq_tiles_for_short_windows(D, mask, kv_len, block_kv_dq):
   # H200 sweep of 2026-12-01 (fifth session): 64-key dq tiles ran a causal

@@ -258,6 +258,11 @@ def test_gpu_persistent_options():
     (64, MaskSpec(window_left=1024, window_right=1024), 16384, True),
     (256, MaskSpec(causal=True, window_left=1024), 16384, False),
     (128, MaskSpec(causal=True, window_left=4096), 16384, False),
+    # A window that does not bind is no window: the plain rules apply.
+    (128, MaskSpec(causal=True, window_left=4096), 2048, False),
+    (128, MaskSpec(causal=True, window_right=0), 1024, False),
+    (128, MaskSpec(window_left=10**6, window_right=10**6), 1024, True),
+    (128, MaskSpec(window_left=10**6, window_right=10**6), 4096, False),
 ])
 def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
     D, mask, kv_len, want):

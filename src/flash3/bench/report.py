@@ -265,8 +265,9 @@ def headline(results: Iterable[Result], subject: str = "flash3",
   baseline's as a geometric mean (min-max; cases) per suite, dtype, head dim
   and mode, and over each suite; then on how many cases of each mode the
   subject is at least as fast as every other contender that ran."""
-  results = [r for r in results if r.status == "ok"
-             and r.ratio_to_baseline is not None and r.ratio_to_baseline > 0]
+  ran = [r for r in results if r.status == "ok" and r.tflops]
+  results = [r for r in ran
+             if r.ratio_to_baseline is not None and r.ratio_to_baseline > 0]
   if not results:
     return ""
   others = sorted({r.impl for r in results} - {subject, baseline})
@@ -290,7 +291,7 @@ def headline(results: Iterable[Result], subject: str = "flash3",
     lines.append("| " + " | ".join(list(key) + [
         _geomean_cell(groups[key].get(i, [])) for i in impls]) + " |")
   by_case: dict[tuple, dict[str, float]] = {}
-  for r in results:
+  for r in ran:  # Cases the baseline missed count here too.
     by_case.setdefault((r.suite, r.case_key(), r.mode), {})[r.impl] = r.tflops
   wins: dict[tuple, list[int]] = {}
   for (suite, _, mode), speeds in by_case.items():

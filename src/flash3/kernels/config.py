@@ -74,6 +74,11 @@ class ForwardConfig:
       tiles while the compute warpgroups finish the current one.
     num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
       ignored unless ``persistent``.
+    overlap_softmax: overlap each tile's softmax with the previous tile's
+      P @ V in the same warpgroup (FlashAttention-3, Section 3.2), on top of
+      the two warpgroups' ping-pong; P then goes through shared memory (one
+      (64, block_kv) tile per warpgroup). Tested in interpret mode and
+      lowered for the GPU; not yet timed on one, so not a default.
   """
 
   block_q: int = 64
@@ -84,6 +89,7 @@ class ForwardConfig:
   reverse_q_tiles: bool = False
   persistent: bool = False
   num_sms: int = DEFAULT_SM_COUNT
+  overlap_softmax: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -94,6 +100,7 @@ class ForwardConfig:
     check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
     check_bool("persistent", self.persistent)
+    check_bool("overlap_softmax", self.overlap_softmax)
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
     total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
@@ -114,7 +121,7 @@ def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
   total = n * config.block_q * head_dim * itemsize
   total += 2 * stages * config.block_kv * head_dim * itemsize
   total += n * config.block_q * 4
-  if interpret:
+  if interpret or config.overlap_softmax:  # P through shared memory
     total += n * config.block_q * config.block_kv * itemsize
   return total + SMEM_RESERVED_BYTES
 
@@ -146,15 +153,18 @@ def check_fits(config: ForwardConfig, head_dim: int, itemsize: int,
 
 
 def window_key_span(mask: MaskSpec, kv_len: int, rows: int = 128) -> int | None:
-  """Keys that ``rows`` consecutive queries can see under the mask's window, at
-  most ``kv_len``; None without a window. The kernels' defaults take smaller or
-  persistent tiles when this is short (the work per query tile is bounded).
+  """Keys that ``rows`` consecutive queries can see under the mask's window;
+  None without a window, or when the window does not bind (it would span all
+  ``kv_len`` keys: the mask is then judged as if it had none). The kernels'
+  defaults take smaller or persistent tiles when this is short (the work per
+  query tile is bounded).
   """
   if mask.window_left is None and mask.window_right is None:
     return None
   left = kv_len if mask.window_left is None else mask.window_left
   right = 0 if mask.causal else (kv_len if mask.window_right is None else mask.window_right)
-  return min(kv_len, left + right + rows)
+  span = left + right + rows
+  return span if span < kv_len else None
 
 
 def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:

@@ -52,6 +52,13 @@ q loads during the epilogue (else after the o store has read the q tile).
 Each item runs the same instructions as in the grid kernel, so the results
 are bitwise equal. Every mask and option is supported.
 
+``ForwardConfig(overlap_softmax=True)`` (opt-in, not yet timed on a GPU)
+also overlaps, within each compute warpgroup, tile t's softmax with tile
+t-1's P @ V (FlashAttention-3, Section 3.2): S_t = Q K_t^T and the previous
+P @ V are issued together and only S_t is waited for; P goes to P @ V
+through shared memory, since a wgmma's register operand must not change
+while it runs.
+
 Head dims that are not a multiple of 64 are zero-padded to the next multiple
 of 64 in device memory (q, k, v copied once, o sliced): this costs one extra
 read+write of q, k, v and o and ``D_pad / D`` times the matmul work.
@@ -393,7 +400,8 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
   if config.persistent and separate_o:
     scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                               transforms=transforms)
-  if staging:  # Interpret mode only: P goes to P @ V through shared memory.
+  if staging or config.overlap_softmax:
+    # P goes to P @ V through shared memory (always in interpret mode).
     scratch["p"] = plgpu.SMEM(
         (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
@@ -544,14 +552,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     reduced = plgpu.Layout.WGMMA.reduce(1)
     D = q_smem.shape[-1]
 
-    def compute_step(t, carry, *, masked: bool):
-      # K of tile t was waited for already: by the previous compute step,
-      # while its P @ V ran, or before the first compute step.
-      acc, m, l = carry
-      slot = slot_of(t)
-      s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
-                             (block_q, block_kv), while_running=schedule_sync)
-      plgpu.barrier_arrive(smem["k_free"].at[slot])
+    def scores(s, t, *, masked: bool):
+      """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked."""
       # Scale first, then take the max of the scaled scores: exp2(s - m) <= 1
       # exactly, even where an FMA's unrounded product would overflow (E03).
       if softcap is None:
@@ -574,13 +576,27 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           keep = keep & (lax.broadcast_in_dim(q_ids, s.shape, [0])
                          == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
         s = jnp.where(keep, s, -jnp.inf)
+      return s
+
+    def new_max(s, m, *, masked: bool):
+      """(m_new, the max to subtract: m_new, or 0 where still -inf)."""
       m_new = jnp.maximum(m, s.max(axis=1))
       if masked:
         # A row with nothing visible so far keeps m = -inf; subtract 0 instead
         # so exp2 never sees -inf - -inf.
-        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      else:
-        m_sub = m_new
+        return m_new, jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      return m_new, m_new
+
+    def compute_step(t, carry, *, masked: bool):
+      # K of tile t was waited for already: by the previous compute step,
+      # while its P @ V ran, or before the first compute step.
+      acc, m, l = carry
+      slot = slot_of(t)
+      s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
+                             (block_q, block_kv), while_running=schedule_sync)
+      plgpu.barrier_arrive(smem["k_free"].at[slot])
+      s = scores(s, t, masked=masked)
+      m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -612,6 +628,86 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       plgpu.barrier_arrive(smem["v_free"].at[slot])
       return acc, m_new, l
 
+    # config.overlap_softmax (FlashAttention-3, Section 3.2): step t issues
+    # S_t = Q K_t^T and O += P_{t-1} V_{t-1} together and runs tile t's
+    # softmax while the second matmul is in flight; P goes to P @ V through
+    # this warpgroup's shared-memory tile (a register operand must not change
+    # while its wgmma runs). first_step makes P of the first tile, last_pv
+    # adds the last P @ V. Syncs per tile: 2, as in compute_step.
+    p_tile = smem["p"].at[wg] if config.overlap_softmax else None
+
+    def softmax_to_p(s, t, m, l, *, masked: bool):
+      """Tile t's raw scores -> (P_t in the input dtype, m, alpha, l)."""
+      s = scores(s, t, masked=masked)
+      m_new, m_sub = new_max(s, m, masked=masked)
+      alpha = jnp.exp2(m - m_sub)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+      return p.astype(dtype), m_new, alpha, l * alpha + p.sum(axis=1)
+
+    def store_p(p16):
+      p_tile[...] = p16
+      plgpu.commit_smem()
+
+    def first_step(t, carry):
+      acc, m, l = carry  # acc is still 0: nothing to rescale.
+      slot = slot_of(t)
+      s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
+                             (block_q, block_kv), while_running=schedule_sync)
+      plgpu.barrier_arrive(smem["k_free"].at[slot])
+      p16, m, _, l = softmax_to_p(s, t, m, l, masked=True)
+      schedule_sync()
+      store_p(p16)
+      return acc, m, l
+
+    def overlap_step(t, carry, *, masked: bool):
+      acc, m, l = carry
+      slot, prev = slot_of(t), slot_of(t - 1)
+      plgpu.barrier_wait(smem["k_loaded"].at[slot])
+      plgpu.barrier_wait(smem["v_loaded"].at[prev])
+      k_t = smem["k"].at[slot].transpose((1, 0))
+      v_prev = smem["v"].at[prev]
+
+      def after_scores(s):
+        plgpu.barrier_arrive(smem["k_free"].at[slot])
+        out = softmax_to_p(s, t, m, l, masked=masked)
+        schedule_sync()  # The other warpgroup's matmuls may start.
+        return out
+
+      if p_stage is not None:  # Interpret mode: one matmul after the other.
+        s = common.matmul_smem(q_smem, k_t, (block_q, block_kv),
+                               while_running=schedule_sync)
+        p16, m, alpha, l = after_scores(s)
+        acc = acc + common.matmul_smem(p_tile, v_prev, acc.shape)
+      else:
+        def body(refs):
+          acc_ref, s_ref, p_ref, m_ref, alpha_ref, l_ref = refs
+          plgpu.wgmma(s_ref, q_smem, k_t)
+          plgpu.wgmma(acc_ref, p_tile, v_prev)
+          schedule_sync()
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t only.
+          p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = after_scores(s)
+        zeros = lambda shape, dt: plgpu.layout_cast(jnp.zeros(shape, dt),
+                                                    plgpu.Layout.WGMMA)
+        # Leaving run_state waits for P_{t-1} V_{t-1} too.
+        acc, _, p16, m, alpha, l = pl.run_state(body)((
+            plgpu.ACC.init(acc), plgpu.ACC.init(zeros((block_q, block_kv), jnp.float32)),
+            zeros((block_q, block_kv), dtype), m, m, l))
+      plgpu.barrier_arrive(smem["v_free"].at[prev])
+      store_p(p16)  # P_{t-1} V_{t-1} has read the tile.
+      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l
+
+    def last_pv(t, carry):
+      acc, m, l = carry
+      slot = slot_of(t)
+      plgpu.barrier_wait(smem["v_loaded"].at[slot])
+      if p_stage is not None:
+        acc = acc + common.matmul_smem(p_tile, smem["v"].at[slot], acc.shape)
+      else:
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
+            acc_ref, p_tile, smem["v"].at[slot]))(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(smem["v_free"].at[slot])
+      return acc, m, l
+
     def skip_step(t, carry):
       # Keep every barrier's phases in step with the other warpgroup and the
       # producer: wait for and release the tile, sync twice like compute_step.
@@ -639,9 +735,20 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       plgpu.barrier_wait(smem["k_loaded"].at[slot_of(w_lo)])
 
     carry = (acc, m, l)
-    carry = lax.fori_loop(w_lo, m1, functools.partial(compute_step, masked=True), carry)
-    carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
-    carry = lax.fori_loop(m2, w_hi, functools.partial(compute_step, masked=True), carry)
+    if config.overlap_softmax:
+      # Loops of 0 or 1 step: the first tile's softmax, the last tile's P @ V.
+      start = jnp.minimum(w_lo + 1, w_hi)
+      carry = lax.fori_loop(w_lo, start, first_step, carry)
+      a1 = jnp.clip(m1, start, w_hi)
+      a2 = jnp.clip(m2, a1, w_hi)
+      carry = lax.fori_loop(start, a1, functools.partial(overlap_step, masked=True), carry)
+      carry = lax.fori_loop(a1, a2, functools.partial(overlap_step, masked=False), carry)
+      carry = lax.fori_loop(a2, w_hi, functools.partial(overlap_step, masked=True), carry)
+      carry = lax.fori_loop(jnp.maximum(w_hi - 1, w_lo), w_hi, last_pv, carry)
+    else:
+      carry = lax.fori_loop(w_lo, m1, functools.partial(compute_step, masked=True), carry)
+      carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
+      carry = lax.fori_loop(m2, w_hi, functools.partial(compute_step, masked=True), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     pl.when(wg == 0)(schedule_sync)
     acc, m, l = carry
