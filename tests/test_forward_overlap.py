@@ -37,6 +37,10 @@ def _cfg(**kw):
 def test_config_and_shared_memory():
   with pytest.raises(ValueError, match="overlap_softmax"):
     ForwardConfig(overlap_softmax=1)
+  # One ring slot would deadlock the two warpgroups (found in review: a
+  # 128 x 128 non-causal case with 64-key tiles hung in interpret mode).
+  with pytest.raises(ValueError, match="num_stages=1"):
+    ForwardConfig(overlap_softmax=True, num_stages=1)
   plain = ForwardConfig(block_kv=128)
   # One (64, block_kv) P tile per compute warpgroup, on the GPU path too.
   assert forward_smem_bytes(_cfg(block_kv=128), 128, 2) == (
@@ -57,7 +61,10 @@ CASES = [
     ("causal-tl-empty-rows", 2, 150, 64, 1, 1, 64, jnp.float16, CAUSAL_TL,
      _cfg(block_kv=64, num_stages=3), True),
     ("d128", 1, 64, 300, 1, 1, 128, jnp.bfloat16, CAUSAL_BR,
-     _cfg(block_kv=128, num_stages=1), False),
+     _cfg(block_kv=128, num_stages=2), False),
+    # Both warpgroups own two tiles, two ring slots.
+    ("two-tiles-each", 1, 128, 128, 1, 1, 64, jnp.bfloat16, NO_MASK,
+     _cfg(block_kv=64, num_stages=2), True),
 ]
 
 

@@ -77,7 +77,8 @@ class ForwardConfig:
     overlap_softmax: overlap each tile's softmax with the previous tile's
       P @ V in the same warpgroup (FlashAttention-3, Section 3.2), on top of
       the two warpgroups' ping-pong; P then goes through shared memory (one
-      (64, block_kv) tile per warpgroup). Tested in interpret mode and
+      (64, block_kv) tile per warpgroup); needs num_stages >= 2. Tested in
+      interpret mode and
       lowered for the GPU; not yet timed on one, so not a default.
   """
 
@@ -101,6 +102,11 @@ class ForwardConfig:
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
+    if self.overlap_softmax and self.num_stages < 2:
+      # One slot: V_{t-1} is released only after step t's syncs with the other
+      # warpgroup, which may be waiting for that slot's next tile: deadlock.
+      raise ValueError(f"overlap_softmax=True needs num_stages >= 2; got "
+                       f"num_stages={self.num_stages}")
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
     total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
