@@ -66,7 +66,7 @@ run_stage() {  # run_stage NAME GPU
            tests/test_mosaic_path.py ;;
     serial) FLASH3_RESULTS_DIR="$R" XLA_PYTHON_CLIENT_PREALLOCATE=false stage serial 150 "$g" \
               python3 -m pytest -q -s -p no:cacheprovider -m "gpu and serial" -rfE tests ;;
-    racecheck) stage racecheck 120 "$g" compute-sanitizer --tool racecheck --print-limit 20 \
+    racecheck) stage racecheck ${RACECHECK_BUDGET:-180} "$g" compute-sanitizer --tool racecheck --print-limit 20 \
                  python3 scripts/racecheck.py ;;
     drain) stage drain ${DRAIN_BUDGET:-200} "$g" python3 scripts/bench_drain.py \
              --time-budget $(( ${DRAIN_BUDGET:-200} - 20 )) --jobs 8 --out "$R/drain" ;;
