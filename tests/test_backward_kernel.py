@@ -1246,44 +1246,35 @@ def test_interpret_shared_dq_matches_reference(B, Tq, Tk, N, K, dtype, mask):
     assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
 
 
-@pytest.mark.interpret
-def test_interpret_shared_dq_no_races_with_options():
-  # Tq, Tk such that the two warpgroups' keys see different query tiles (one
-  # skips steps the other computes: it still takes part with a zero dsT).
-  # The interpreter does not race-check wgmma operands (jax 0.11.2,
-  # gpu_callbacks.wgmma: "TODO: Vector clocks"), so the wait before dk is
-  # staged in the K tile the other warpgroup's last dq reads is checked by
-  # compute-sanitizer on the GPU (scripts/racecheck.py), not here.
-  q, k, v, do = make_inputs(jax.random.key(7), 2, 136, 200, 2, 1, 128, BF16)
-  o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=CAUSAL_BR)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  grads = attention_backward(q, k, v, o, lse, do, scale=0.125, mask=CAUSAL_BR,
-                             config=SHARED_INTERPRET, interpret=params)
-  jax.block_until_ready(grads)
-  assert not interpret_pallas_call.get_races().races_found, "race in the shared dq"
-  assert_grads_match(grads, q, k, v, do, scale=0.125, mask=CAUSAL_BR)
-  check_opts(2, 200, 230, 4, 2, 128, BF16, CAUSAL_BR, interpret=True,
-             config=SHARED_INTERPRET, softcap=2.0, q_lengths=[200, 57],
-             kv_lengths=[150, 230], q_segment_ids=[_packed(120, 80), _packed(200)],
-             kv_segment_ids=[_packed(130, 100), _packed(230)])
+# Per-warpgroup dq (D = 64) and shared dq (D = 128, two warpgroups' keys seeing
+# different query tiles: one skips steps the other computes and still takes
+# part with a zero dsT). The interpreter does not race-check wgmma operands
+# (jax 0.11.2, gpu_callbacks.wgmma: "TODO: Vector clocks"), so the shared
+# variant's wait before dk is staged in the K tile the other warpgroup's last
+# dq reads is checked by compute-sanitizer on the GPU (scripts/racecheck.py).
+FUSED_VARIANTS = [pytest.param(FUSED, 64, id="per_wg"),
+                  pytest.param(SHARED_INTERPRET, 128, id="shared")]
 
 
 @pytest.mark.interpret
-def test_interpret_fused_backward_with_options():
-  check_opts(2, 200, 230, 4, 2, 64, BF16, CAUSAL_BR, interpret=True, config=FUSED,
+@pytest.mark.parametrize("config, D", FUSED_VARIANTS)
+def test_interpret_fused_backward_with_options(config, D):
+  check_opts(2, 200, 230, 4, 2, D, BF16, CAUSAL_BR, interpret=True, config=config,
              softcap=2.0, q_lengths=[200, 57], kv_lengths=[150, 230],
              q_segment_ids=[_packed(120, 80), _packed(200)],
              kv_segment_ids=[_packed(130, 100), _packed(230)])
 
 
 @pytest.mark.interpret
-def test_interpret_fused_backward_no_races():
-  q, k, v, do = make_inputs(jax.random.key(5), 1, 200, 136, 2, 1, 64, BF16)
+@pytest.mark.parametrize("config, D", FUSED_VARIANTS)
+def test_interpret_fused_backward_no_races(config, D):
+  B, Tq, Tk = (1, 200, 136) if D == 64 else (2, 136, 200)
+  q, k, v, do = make_inputs(jax.random.key(5), B, Tq, Tk, 2, 1, D, BF16)
   mask = CAUSAL_BR
   o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=mask)
   params = plgpu.InterpretGPUParams(detect_races=True)
   grads = attention_backward(q, k, v, o, lse, do, scale=0.125, mask=mask,
-                             config=FUSED, interpret=params)
+                             config=config, interpret=params)
   jax.block_until_ready(grads)
   assert not interpret_pallas_call.get_races().races_found, "race in the fused backward"
   assert_grads_match(grads, q, k, v, do, scale=0.125, mask=mask)
