@@ -127,7 +127,7 @@ def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
   total = n * config.block_q * head_dim * itemsize
   total += 2 * stages * config.block_kv * head_dim * itemsize
   total += n * config.block_q * 4
-  if interpret:  # P through shared memory
+  if interpret or config.overlap_softmax:  # P through shared memory
     total += n * config.block_q * config.block_kv * itemsize
   return total + SMEM_RESERVED_BYTES
 

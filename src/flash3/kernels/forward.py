@@ -400,8 +400,8 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
   if config.persistent and separate_o:
     scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                               transforms=transforms)
-  if staging:
-    # Interpret mode: P goes to P @ V through shared memory.
+  if staging or config.overlap_softmax:
+    # P goes to P @ V through shared memory (always in interpret mode).
     scratch["p"] = plgpu.SMEM(
         (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
@@ -630,10 +630,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
     # config.overlap_softmax (FlashAttention-3, Section 3.2): step t issues
     # S_t = Q K_t^T and O += P_{t-1} V_{t-1} together and runs tile t's
-    # softmax while the second matmul is in flight. P_{t-1} stays in
-    # registers (the loop carries it) and is only overwritten after the wait,
-    # so the async wgmma reads it safely. first_step makes P of the first
-    # tile, last_pv adds the last P @ V. Syncs per tile: 2, as in compute_step.
+    # softmax while the second matmul is in flight; P goes to P @ V through
+    # this warpgroup's shared-memory tile (a register operand must not change
+    # while its wgmma runs). first_step makes P of the first tile, last_pv
+    # adds the last P @ V. Syncs per tile: 2, as in compute_step.
+    p_tile = smem["p"].at[wg] if config.overlap_softmax else None
+
     def softmax_to_p(s, t, m, l, *, masked: bool):
       """Tile t's raw scores -> (P_t in the input dtype, m, alpha, l)."""
       s = scores(s, t, masked=masked)
@@ -642,18 +644,23 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
       return p.astype(dtype), m_new, alpha, l * alpha + p.sum(axis=1)
 
+    def store_p(p16):
+      p_tile[...] = p16
+      plgpu.commit_smem()
+
     def first_step(t, carry):
-      acc, m, l, _ = carry  # acc is still 0: nothing to rescale.
+      acc, m, l = carry  # acc is still 0: nothing to rescale.
       slot = slot_of(t)
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
                              (block_q, block_kv), while_running=schedule_sync)
       plgpu.barrier_arrive(smem["k_free"].at[slot])
       p16, m, _, l = softmax_to_p(s, t, m, l, masked=True)
       schedule_sync()
-      return acc, m, l, p16
+      store_p(p16)
+      return acc, m, l
 
     def overlap_step(t, carry, *, masked: bool):
-      acc, m, l, p_prev = carry
+      acc, m, l = carry
       slot, prev = slot_of(t), slot_of(t - 1)
       plgpu.barrier_wait(smem["k_loaded"].at[slot])
       plgpu.barrier_wait(smem["v_loaded"].at[prev])
@@ -670,12 +677,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         s = common.matmul_smem(q_smem, k_t, (block_q, block_kv),
                                while_running=schedule_sync)
         p16, m, alpha, l = after_scores(s)
-        acc = common.accumulate_register_lhs(acc, p_prev, v_prev, staging=p_stage)
+        acc = acc + common.matmul_smem(p_tile, v_prev, acc.shape)
       else:
         def body(refs):
           acc_ref, s_ref, p_ref, m_ref, alpha_ref, l_ref = refs
           plgpu.wgmma(s_ref, q_smem, k_t)
-          plgpu.wgmma(acc_ref, p_prev, v_prev)
+          plgpu.wgmma(acc_ref, p_tile, v_prev)
           schedule_sync()
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t only.
           p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = after_scores(s)
@@ -686,16 +693,20 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
             plgpu.ACC.init(acc), plgpu.ACC.init(zeros((block_q, block_kv), jnp.float32)),
             zeros((block_q, block_kv), dtype), m, m, l))
       plgpu.barrier_arrive(smem["v_free"].at[prev])
-      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p16
+      store_p(p16)  # P_{t-1} V_{t-1} has read the tile.
+      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l
 
     def last_pv(t, carry):
-      acc, m, l, p_prev = carry
+      acc, m, l = carry
       slot = slot_of(t)
       plgpu.barrier_wait(smem["v_loaded"].at[slot])
-      acc = common.accumulate_register_lhs(acc, p_prev, smem["v"].at[slot],
-                                           staging=p_stage)
+      if p_stage is not None:
+        acc = acc + common.matmul_smem(p_tile, smem["v"].at[slot], acc.shape)
+      else:
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
+            acc_ref, p_tile, smem["v"].at[slot]))(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(smem["v_free"].at[slot])
-      return acc, m, l, p_prev
+      return acc, m, l
 
     def skip_step(t, carry):
       # Keep every barrier's phases in step with the other warpgroup and the
@@ -727,15 +738,13 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     if config.overlap_softmax:
       # Loops of 0 or 1 step: the first tile's softmax, the last tile's P @ V.
       start = jnp.minimum(w_lo + 1, w_hi)
-      p0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), plgpu.Layout.WGMMA)
-      carry = lax.fori_loop(w_lo, start, first_step, carry + (p0,))
+      carry = lax.fori_loop(w_lo, start, first_step, carry)
       a1 = jnp.clip(m1, start, w_hi)
       a2 = jnp.clip(m2, a1, w_hi)
       carry = lax.fori_loop(start, a1, functools.partial(overlap_step, masked=True), carry)
       carry = lax.fori_loop(a1, a2, functools.partial(overlap_step, masked=False), carry)
       carry = lax.fori_loop(a2, w_hi, functools.partial(overlap_step, masked=True), carry)
       carry = lax.fori_loop(jnp.maximum(w_hi - 1, w_lo), w_hi, last_pv, carry)
-      carry = carry[:3]
     else:
       carry = lax.fori_loop(w_lo, m1, functools.partial(compute_step, masked=True), carry)
       carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
