@@ -97,20 +97,26 @@ def test_options_without_backward_kernel_say_so_and_stay_right():
     assert not any("XLA reference path" in m for m in messages)
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_deterministic_false_allows_the_single_kernel_backward(D):
+@pytest.mark.parametrize("D,causal", [(64, True), (128, True), (128, False)])
+def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
   from flash3.kernels.backward import BackwardConfig
   from flash3.visibility import MaskSpec
-  # Where the H200 sweep found it faster (D <= 64) it is taken; else not.
-  chosen = BackwardConfig.heuristic(D, 512, 512, MaskSpec(causal=True),
-                                    deterministic=False)
-  assert chosen.deterministic is (D > 64)
+  # Where the H200 sweeps found it faster it is taken: D = 64, and D = 128
+  # without a causal mask or window (the shared-dq form); else not.
+  mask = MaskSpec(causal=causal)
+  chosen = BackwardConfig.heuristic(D, 512, 512, mask, deterministic=False)
+  single = D == 64 or not causal
+  assert chosen.deterministic is not single
+  assert chosen.share_dq is (D == 128 and not causal)
+  window = MaskSpec(causal=causal, window_left=100, window_right=100)
+  assert BackwardConfig.heuristic(D, 4096, 4096, window,
+                                  deterministic=False).deterministic is (D > 64)
   # Below 64 the backward runs D unpadded, where the single kernel's dq tile
   # does not lower: the deterministic kernels run.
   for small in (16, 32, 48):
     assert BackwardConfig.heuristic(small, 512, 512, deterministic=False).deterministic
   q, k, v, do = _inputs(D=D, Tq=130, Tk=150)
-  kw = dict(is_causal=True, causal_alignment="bottom_right")
+  kw = dict(is_causal=True, causal_alignment="bottom_right") if causal else {}
   grads = {}
   for det in (True, False):
     f = lambda q, k, v: flash3.dot_product_attention(  # noqa: E731
@@ -128,10 +134,9 @@ def test_deterministic_false_allows_the_single_kernel_backward(D):
       assert np.isfinite(g).all() and err < 2e-2, (det, name, err)
   same = [np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
           for a, b in zip(grads[True], grads[False])]
-  # D=128: the deterministic kernels ran both times (bitwise equal); D=64: the
-  # single kernel (query tiles of 64 for dk, dv, dq summed by reduce-add)
-  # sums in another order.
-  assert all(same) if D > 64 else not all(same)
+  # Causal D=128: the deterministic kernels ran both times (bitwise equal);
+  # else the single kernel (dq summed by reduce-add) sums in another order.
+  assert all(same) if not single else not all(same)
 
 
 def test_vmap_folds_into_batch():

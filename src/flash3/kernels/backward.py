@@ -133,7 +133,9 @@ class BackwardConfig:
       CTA sends one float32 (64, D) dq tile per query tile by reduce-add
       instead of one per warpgroup (half the atomic traffic, half the dq
       registers), as FlashAttention-3 does. Needs head_dim a multiple of 128.
-      Tested in interpret mode; not yet timed on a GPU, so not a default.
+      Its GPU tests passed on an H200 (2026-12-01, sixth session); the
+      heuristic takes it for deterministic=False at head_dim 128 without a
+      causal mask or window.
   """
 
   block_q_dq: int = 64
@@ -216,8 +218,12 @@ class BackwardConfig:
     and 16384, against cuDNN in the same run): causal masks launch the dq
     kernel's longest query tiles first (2-5% faster). ``deterministic=False``
     allows the single-kernel backward, taken where it was faster in the
-    sweep of 2026-12-01 (docs/benchmarks/h200/2026-12-01-s4/tune.md):
-    head_dim 64 (2-13% on three of four shapes; 8-22% slower at 128). Not
+    sweeps of 2026-12-01 (docs/benchmarks/h200/2026-12-01-s4/tune.md,
+    docs/benchmarks/h200/2026-12-01-s6/tune.md): head_dim 64 (2-13% on
+    three of four shapes), and at head_dim 128 without a causal mask or
+    window its ``share_dq`` form (1% faster than the two-kernel default at
+    T=4096, 6% at 16384; causal, it was even at 16384 and 13% slower at
+    4096, so causal masks keep the two kernels). Not
     below 64: the backward runs D as given (the forward pads it) and the
     single kernel's dq tile does not lower for D < 64. A short window (at
     most 2048 keys per 128 queries) takes 64-key tiles in the dq kernel,
@@ -243,6 +249,8 @@ class BackwardConfig:
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False)
+    if not deterministic and head_dim == 128 and not causal and span is None:
+      config = dataclasses.replace(config, deterministic=False, share_dq=True)
     while (max(config.smem_bytes(head_dim, 2, interpret=interpret)) > SMEM_LIMIT_BYTES
            and config.num_stages > 1):
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
