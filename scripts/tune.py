@@ -43,7 +43,7 @@ def _init(lock):
 
 def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
                     block_kvs=(64, 128, 192, 256), stages=(2, 3, 4),
-                    overlap=(False,)):
+                    overlap=(False,), registers=((232, 40),)):
   """Forward configs that fit; ``persistent`` lists the values of that field to sweep.
 
   Persistent variants stage o apart from q where shared memory allows
@@ -51,8 +51,9 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
   """
   from flash3.kernels.config import ForwardConfig, check_fits
   out = []
-  for bk, st, ov in itertools.product(block_kvs, stages, overlap):
-    c = ForwardConfig(block_kv=bk, num_stages=st, overlap_softmax=bool(ov))
+  for bk, st, ov, (cr, pr) in itertools.product(block_kvs, stages, overlap, registers):
+    c = ForwardConfig(block_kv=bk, num_stages=st, overlap_softmax=bool(ov),
+                      compute_registers=cr, producer_registers=pr)
     try:
       check_fits(c, D, 2)
     except ValueError:
@@ -208,6 +209,9 @@ def main():
                   help="fwd: values of ForwardConfig.persistent to sweep (0 1 for both)")
   ap.add_argument("--overlap", type=int, nargs="+", default=[0],
                   help="ForwardConfig.overlap_softmax values to sweep, e.g. 0 1")
+  ap.add_argument("--registers", nargs="+", default=["232,40"],
+                  help="fwd: COMPUTE,PRODUCER register counts (setmaxnreg) to sweep, "
+                       "e.g. 232,40 240,24")
   ap.add_argument("--num-sms", type=int, default=132,
                   help="fwd: CTAs of the persistent kernel (132 SMs on an H200)")
   ap.add_argument("--block-kv", type=int, nargs="+", default=[64, 128, 192, 256],
@@ -229,7 +233,8 @@ def main():
     if args.what == "fwd":
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages),
-                              tuple(args.overlap))
+                              tuple(args.overlap),
+                              tuple(tuple(int(x) for x in r.split(",")) for r in args.registers))
     else:
       cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window, T)
     tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)

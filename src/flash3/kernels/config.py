@@ -77,9 +77,11 @@ class ForwardConfig:
     overlap_softmax: overlap each tile's softmax with the previous tile's
       P @ V in the same warpgroup (FlashAttention-3, Section 3.2), on top of
       the two warpgroups' ping-pong; P then goes through shared memory (one
-      (64, block_kv) tile per warpgroup); needs num_stages >= 2. Tested in
-      interpret mode and
-      lowered for the GPU; not yet timed on one, so not a default.
+      (64, block_kv) tile per warpgroup); needs num_stages >= 2. Its GPU
+      tests pass, but on the H200 it was 8-18% slower than without it at
+      D=128 (and 35% slower with P kept in registers, which was tried and
+      dropped; docs/benchmarks/h200/2026-12-01-s6/tune.md), so it is off by
+      default and kept for experiments.
   """
 
   block_q: int = 64
@@ -205,9 +207,11 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   Chosen from a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16,
   T 4096 and 16384, against cuDNN in the same run): the widest K/V ring that
   fits at D=64, 128-key tiles at D=128, 64-key tiles at D=256, and causal
-  query tiles launched last-first (4-18% faster than first-first); and
-  (sweep of 2026-12-01) the persistent kernel for short sequences, see
-  ``_prefers_persistent``.
+  query tiles launched last-first (4-18% faster than first-first); (sweep
+  of 2026-12-01) the persistent kernel for short sequences, see
+  ``_prefers_persistent``; and (sixth session's sweep,
+  docs/benchmarks/h200/2026-12-01-s6/tune.md) 240 registers per compute
+  thread for the widest tiles.
 
   Args:
     head_dim: D after any padding the kernel does (a multiple of 64).
@@ -239,6 +243,12 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms)
+  if not persistent and ((head_dim <= 64 and block_kv == 256) or head_dim > 128):
+    # The widest score tile (64 x 256) and the widest accumulator (64 x 256)
+    # gained from 8 more registers per compute thread (setmaxnreg 240, the
+    # producer 24): D=64 non-causal +5-7%, D=256 non-causal T=16384 +8%; the
+    # other defaults were within noise (sweep of 2026-12-01, sixth session).
+    config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
   # Shrink the ring until it fits (interpret mode's P buffer included there).
   while (forward_smem_bytes(config, head_dim, 2, interpret=interpret)
          > SMEM_LIMIT_BYTES and config.num_stages > 1):
