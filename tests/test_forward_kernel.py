@@ -119,11 +119,11 @@ def test_heuristic_always_fits_shared_memory(mask, dtype):
     (64, CAUSAL_BR, 16384, False),   # 128-key tiles
     (64, NO_MASK, 2048, False),      # persistent: not swept with 240
     (128, NO_MASK, 16384, False),
-    (256, NO_MASK, 16384, True),     # 64 x 256 accumulator
-    (256, CAUSAL_BR, 4096, True)])
+    (256, NO_MASK, 16384, False),    # 1% slower with 240 in the benchmark
+    (256, CAUSAL_BR, 4096, False)])
 def test_heuristic_registers(d_pad, mask, kv_len, wide):
-  # The H200 sweep of the sixth session: 240 compute registers (producer 24)
-  # helped only the widest tiles.
+  # The H200 runs of the sixth session: 240 compute registers (producer 24)
+  # helped only the widest score tiles.
   config = forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len)
   assert (config.compute_registers, config.producer_registers) == (
       (240, 24) if wide else (232, 40))

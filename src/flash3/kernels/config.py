@@ -209,9 +209,9 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   fits at D=64, 128-key tiles at D=128, 64-key tiles at D=256, and causal
   query tiles launched last-first (4-18% faster than first-first); (sweep
   of 2026-12-01) the persistent kernel for short sequences, see
-  ``_prefers_persistent``; and (sixth session's sweep,
+  ``_prefers_persistent``; and (sixth session,
   docs/benchmarks/h200/2026-12-01-s6/tune.md) 240 registers per compute
-  thread for the widest tiles.
+  thread for the widest score tiles.
 
   Args:
     head_dim: D after any padding the kernel does (a multiple of 64).
@@ -243,11 +243,11 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms)
-  if not persistent and ((head_dim <= 64 and block_kv == 256) or head_dim > 128):
-    # The widest score tile (64 x 256) and the widest accumulator (64 x 256)
-    # gained from 8 more registers per compute thread (setmaxnreg 240, the
-    # producer 24): D=64 non-causal +5-7%, D=256 non-causal T=16384 +8%; the
-    # other defaults were within noise (sweep of 2026-12-01, sixth session).
+  if not persistent and head_dim <= 64 and block_kv == 256:
+    # The widest score tile (64 x 256) gains from 8 more registers per compute
+    # thread (setmaxnreg 240, the producer 24): D=64 non-causal T >= 8192
+    # +5-6% in the fa3 benchmark; D=256 lost 1% there, the other defaults
+    # were within noise (2026-12-01, sixth session).
     config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
   # Shrink the ring until it fits (interpret mode's P buffer included there).
   while (forward_smem_bytes(config, head_dim, 2, interpret=interpret)
