@@ -41,6 +41,11 @@ def _init(lock):
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def _register_pairs(values):
+  """["232,40", "240,24"] -> ((232, 40), (240, 24))."""
+  return tuple(tuple(int(x) for x in v.split(",")) for v in values)
+
+
 def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
                     block_kvs=(64, 128, 192, 256), stages=(2, 3, 4),
                     overlap=(False,), registers=((232, 40),)):
@@ -66,7 +71,21 @@ def _fwd_candidates(D, causal, persistent=(False,), num_sms=132,
   return out
 
 
-def _bwd_candidates(D, causal, nondeterministic=False, window=None, T=4096):
+def _bwd_candidates(D, causal, nondeterministic=False, window=None, T=4096,
+                    registers=((232, 40),)):
+  """The configs of ``_bwd_variants``, each with every (compute, producer)
+  register pair of ``registers`` (setmaxnreg; the heuristic's own pair stays
+  the first)."""
+  out = []
+  for c in _bwd_variants(D, causal, nondeterministic, window, T):
+    for cr, pr in registers:
+      r = dataclasses.replace(c, compute_registers=cr, producer_registers=pr)
+      if r not in out:
+        out.append(r)
+  return out
+
+
+def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
   """Backward configs that fit; with ``nondeterministic`` only the single-kernel
   variants (BackwardConfig.deterministic=False: dq by TMA reduce-add), beside
   the heuristic's deterministic config for reference."""
@@ -210,7 +229,7 @@ def main():
   ap.add_argument("--overlap", type=int, nargs="+", default=[0],
                   help="ForwardConfig.overlap_softmax values to sweep, e.g. 0 1")
   ap.add_argument("--registers", nargs="+", default=["232,40"],
-                  help="fwd: COMPUTE,PRODUCER register counts (setmaxnreg) to sweep, "
+                  help="COMPUTE,PRODUCER register counts (setmaxnreg) to sweep, "
                        "e.g. 232,40 240,24")
   ap.add_argument("--num-sms", type=int, default=132,
                   help="fwd: CTAs of the persistent kernel (132 SMs on an H200)")
@@ -234,9 +253,10 @@ def main():
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages),
                               tuple(args.overlap),
-                              tuple(tuple(int(x) for x in r.split(",")) for r in args.registers))
+                              _register_pairs(args.registers))
     else:
-      cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window, T)
+      cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window, T,
+                              _register_pairs(args.registers))
     tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)
               for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)

@@ -138,9 +138,13 @@ def dead_query_rows(mask, Tq, Tk):
 def test_config_rejects_bad_values():
   for bad in (dict(block_q_dq=32), dict(block_kv_dq=100), dict(compute_wgs_dq=3),
               dict(num_stages=0), dict(block_kv_dkv=320), dict(split_dkv=1),
-              dict(reverse_q_tiles="yes")):
+              dict(reverse_q_tiles="yes"), dict(compute_registers=236),
+              dict(producer_registers=16)):
     with pytest.raises(ValueError, match=next(iter(bad))):
       BackwardConfig(**bad)
+  with pytest.raises(ValueError, match="65536"):
+    BackwardConfig(compute_registers=248, producer_registers=40)
+  BackwardConfig(compute_registers=240, producer_registers=24)  # 64512: fits
 
 
 @pytest.mark.parametrize("D", [16, 32, 64, 96, 128, 192, 256])

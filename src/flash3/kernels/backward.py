@@ -136,6 +136,9 @@ class BackwardConfig:
       Its GPU tests passed on an H200 (2026-12-01, sixth session); the
       heuristic takes it for deterministic=False at head_dim 128 without a
       causal mask or window.
+    compute_registers, producer_registers: registers per thread (setmaxnreg)
+      of each compute warpgroup and of the producer when there are two
+      compute warpgroups; 128 * (2 * compute + producer) <= 65536.
   """
 
   block_q_dq: int = 64
@@ -150,6 +153,8 @@ class BackwardConfig:
   reverse_q_tiles: bool = False
   deterministic: bool = True
   share_dq: bool = False
+  compute_registers: int = 232
+  producer_registers: int = 40
 
   def __post_init__(self):
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
@@ -157,6 +162,13 @@ class BackwardConfig:
     check_multiple("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
     check_multiple("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
+    check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
+    check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
+    if 128 * (2 * self.compute_registers + self.producer_registers) > 65536:
+      raise ValueError(
+          f"compute_registers={self.compute_registers} with producer_registers="
+          f"{self.producer_registers} needs more than the 65536 registers of a CTA "
+          "(two compute warpgroups and the producer, 128 threads each)")
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq"):
       check_bool(name, getattr(self, name))
@@ -374,11 +386,12 @@ def _split_extras(refs, has_lengths: bool, has_segments: bool, b):
   return lens, (tuple(refs) if has_segments else None)
 
 
-def _set_registers(num_compute_wgs: int, compute: bool) -> None:
+def _set_registers(num_compute_wgs: int, compute: bool, config) -> None:
   # setmaxnreg: 64K registers shared by the compute warpgroups and the producer.
   if num_compute_wgs == 2:
-    plgpu.set_max_registers(232 if compute else 40,
-                            action="increase" if compute else "decrease")
+    plgpu.set_max_registers(
+        config.compute_registers if compute else config.producer_registers,
+        action="increase" if compute else "decrease")
 
 
 def _drain_loop(lo, hi, slot_of, ready_barriers, consumed):
@@ -447,7 +460,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
     @pl.when(wg < wgs)
     def _compute():
-      _set_registers(wgs, compute=True)
+      _set_registers(wgs, compute=True, config=config)
       q_lo = cta_q_lo + wg * bq
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
       lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
@@ -519,7 +532,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
     @pl.when(wg == wgs)
     def _producer():
-      _set_registers(wgs, compute=False)
+      _set_registers(wgs, compute=False, config=config)
 
       def load(t):
         slot = slot_of(t)
@@ -653,7 +666,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
     @pl.when(wg < wgs)
     def _compute():
-      _set_registers(wgs, compute=True)
+      _set_registers(wgs, compute=True, config=config)
       k_lo = cta_k_lo + wg * bk
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       staging = staging2.at[wg] if staged else None
@@ -817,7 +830,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
     @pl.when(wg == wgs)
     def _producer():
-      _set_registers(wgs, compute=False)
+      _set_registers(wgs, compute=False, config=config)
 
       def load(i):
         slot = slot_of(i)
