@@ -78,7 +78,7 @@ class ForwardConfig:
       P @ V in the same warpgroup (FlashAttention-3, Section 3.2), on top of
       the two warpgroups' ping-pong; P then goes through shared memory (one
       (64, block_kv) tile per warpgroup); needs num_stages >= 2. Its GPU
-      tests pass, but on the H200 it was 8-18% slower than without it at
+      tests pass, but on the H200 it was 11-15% slower than without it at
       D=128 (and 35% slower with P kept in registers, which was tried and
       dropped; docs/benchmarks/h200/2026-12-01-s6/tune.md), so it is off by
       default and kept for experiments.
