@@ -142,6 +142,8 @@ def test_config_rejects_bad_values():
               dict(producer_registers=16)):
     with pytest.raises(ValueError, match=next(iter(bad))):
       BackwardConfig(**bad)
+  with pytest.raises(ValueError, match="producer_registers=56 exceeds"):
+    BackwardConfig(compute_registers=48, producer_registers=56)
   with pytest.raises(ValueError, match="65536"):
     BackwardConfig(compute_registers=248, producer_registers=40)
   BackwardConfig(compute_registers=240, producer_registers=24)  # 64512: fits
@@ -1164,7 +1166,9 @@ def test_segment_tile_plans_cover_mask_and_skip(mask):
 FUSED = BackwardConfig(block_q_dkv=64, num_stages=2, deterministic=False)
 # The two warpgroups share each query tile's dq (half its columns each).
 SHARED = dataclasses.replace(FUSED, share_dq=True)
-# Interpret mode's staging buffers leave room for one ring stage at D = 128.
+# One ring stage: interpret mode's staging buffers leave room for two at
+# D = 128 (the API test in test_mosaic_path.py runs the heuristic's two);
+# one keeps these race-detected runs small.
 SHARED_INTERPRET = dataclasses.replace(SHARED, num_stages=1)
 
 
@@ -1294,6 +1298,20 @@ def test_fused_backward_lowers_for_the_gpu_with_reduce_add(D, config):
   # One Mosaic GPU call (no dq kernel), whose TMA stores reduce-add into dq.
   assert text.count("mosaic_gpu_v2") == 1
   assert "cp.reduce.async.bulk.tensor" in text and ".add." in text
+  assert "setmaxnreg.inc.sync.aligned.u32 232;" in text  # the config's default
+
+
+def test_backward_registers_reach_setmaxnreg():
+  q, k, v, do = make_inputs(jax.random.key(0), 1, 256, 256, 2, 1, 128, BF16)
+  o, lse = q, jnp.zeros((1, 2, 256), jnp.float32)
+  for config in (BackwardConfig(compute_registers=200, producer_registers=56),
+                 dataclasses.replace(SHARED, compute_registers=200, producer_registers=56)):
+    f = functools.partial(attention_backward, scale=0.1, mask=NO_MASK, config=config)
+    text = jax.jit(f).trace(q, k, v, o, lse, do).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "setmaxnreg.inc.sync.aligned.u32 200;" in text
+    assert "setmaxnreg.dec.sync.aligned.u32 56;" in text
+    assert "u32 232;" not in text and "u32 40;" not in text
 
 
 FUSED_GPU_CASES = [

@@ -98,8 +98,10 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 
 
 def test_config_rejects_too_many_registers():
-  with pytest.raises(ValueError, match="registers"):
-    ForwardConfig(compute_registers=256, producer_registers=256)
+  with pytest.raises(ValueError, match="65536"):
+    ForwardConfig(compute_registers=256, producer_registers=248)
+  with pytest.raises(ValueError, match="producer_registers=256 exceeds"):
+    ForwardConfig(compute_registers=24, producer_registers=256)
 
 
 @pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR])

@@ -108,9 +108,10 @@ def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
   single = D == 64 or not causal
   assert chosen.deterministic is not single
   assert chosen.share_dq is (D == 128 and not causal)
-  window = MaskSpec(causal=causal, window_left=100, window_right=100)
-  assert BackwardConfig.heuristic(D, 4096, 4096, window,
-                                  deterministic=False).deterministic is (D > 64)
+  for left, right in ((100, 100), (0, 4096)):  # (0, Tk) is causal's mirror image
+    window = MaskSpec(causal=causal, window_left=left, window_right=right)
+    assert BackwardConfig.heuristic(D, 4096, 4096, window,
+                                    deterministic=False).deterministic is (D > 64)
   # Below 64 the backward runs D unpadded, where the single kernel's dq tile
   # does not lower: the deterministic kernels run.
   for small in (16, 32, 48):

@@ -126,8 +126,9 @@ class BackwardConfig:
       reproducible (dk, dv still are). Needs ``split_dkv`` off and
       ``block_q_dkv`` 64. Interpret mode writes per-CTA partial sums instead
       and adds them in XLA (its TMA has no reduce-add). Its GPU tests passed
-      on an H200 (2026-12-01); it was 8-22% slower than the default at D=128
-      and 2-13% faster on three of four D=64 shapes.
+      on an H200 (2026-12-01); with one dq tile per warpgroup it was 8-22%
+      slower than the default at D=128 and 2-13% faster on three of four D=64
+      shapes; see ``share_dq`` for D=128.
     share_dq: with ``deterministic`` False and two compute warpgroups, the
       warpgroups share each query tile's dq: both put their dsT tile in shared
       memory and each forms half of dq's columns from both (two wgmmas), so a
@@ -165,6 +166,11 @@ class BackwardConfig:
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
     check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
     check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
+    if self.producer_registers > self.compute_registers:
+      raise ValueError(
+          f"producer_registers={self.producer_registers} exceeds compute_registers="
+          f"{self.compute_registers}: setmaxnreg raises the compute warpgroups' "
+          "count and lowers the producer's")
     if 128 * (2 * self.compute_registers + self.producer_registers) > 65536:
       raise ValueError(
           f"compute_registers={self.compute_registers} with producer_registers="
@@ -262,7 +268,8 @@ class BackwardConfig:
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False)
-    if not deterministic and head_dim == 128 and not causal and span is None:
+    no_window = mask is None or (mask.window_left is None and mask.window_right is None)
+    if not deterministic and head_dim == 128 and not causal and no_window:
       config = dataclasses.replace(config, deterministic=False, share_dq=True)
     while (max(config.smem_bytes(head_dim, 2, interpret=interpret)) > SMEM_LIMIT_BYTES
            and config.num_stages > 1):
@@ -395,13 +402,16 @@ def _set_registers(num_compute_wgs: int, compute: bool, config) -> None:
         action="increase" if compute else "decrease")
 
 
-def _drain_loop(lo, hi, slot_of, ready_barriers, consumed):
-  """Wait for tiles this warpgroup skips and release them: every waiter sees every phase."""
+def _drain_loop(lo, hi, slot_of, ready_barriers, consumed, then=None):
+  """Wait for tiles this warpgroup skips and release them: every waiter sees
+  every phase. ``then(step)``, if given, runs after each release."""
   def body(step, carry):
     slot = slot_of(step)
     for barrier in ready_barriers:
       plgpu.barrier_wait(barrier.at[slot])
     plgpu.barrier_arrive(consumed.at[slot])
+    if then is not None:
+      then(step)
     return carry
   lax.fori_loop(lo, hi, body, None)
 
@@ -776,19 +786,12 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       def skip(lo, hi, base, g):
         """Tiles this warpgroup's keys do not see: release their slots; with
         share_dq still take part in their dq with a zero dsT."""
-        if not share:
-          _drain_loop(lo, hi, lambda t: slot_of(base + t - cta_lo), ready, consumed)
-          return
-
-        def body(t, carry):
-          i = base + t - cta_lo
-          for barrier in ready:
-            plgpu.barrier_wait(barrier.at[slot_of(i)])
-          plgpu.barrier_arrive(consumed.at[slot_of(i)])
+        def zero_dq(t):
           zero = plgpu.layout_cast(jnp.zeros((bk, bq), dtype), plgpu.Layout.WGMMA)
-          share_dq_tile(zero, i, (b, pl.ds(t * bq, bq), kv_head * group + g))
-          return carry
-        lax.fori_loop(lo, hi, body, None)
+          share_dq_tile(zero, base + t - cta_lo,
+                        (b, pl.ds(t * bq, bq), kv_head * group + g))
+        _drain_loop(lo, hi, lambda t: slot_of(base + t - cta_lo), ready, consumed,
+                    then=zero_dq if share else None)
 
       def head(g, carry):
         base = g * tiles_per_head

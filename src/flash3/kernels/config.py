@@ -110,6 +110,11 @@ class ForwardConfig:
       raise ValueError(f"overlap_softmax=True needs num_stages >= 2; got "
                        f"num_stages={self.num_stages}")
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
+    if self.producer_registers > self.compute_registers:
+      raise ValueError(
+          f"producer_registers={self.producer_registers} exceeds compute_registers="
+          f"{self.compute_registers}: setmaxnreg raises the compute warpgroups' "
+          "count and lowers the producer's")
     # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
     total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
                    + self.producer_registers)
