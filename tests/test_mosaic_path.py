@@ -8,6 +8,8 @@ the same tests run the compiled kernels.
 import re
 import warnings
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,37 @@ def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
   assert all(same) if not single else not all(same)
 
 
+@pytest.mark.parametrize("Tq,Tk,kw,bad_rows", [
+    # top_left causal, Tq < Tk: keys >= 100 nobody sees; 110 shares the first
+    # key tile with seen keys.
+    (100, 240, dict(is_causal=True), [110, 127, 130, 239]),
+    # A decode-like window: 8 queries at the end of 300 keys see keys >= 276;
+    # 275 shares a key tile with them.
+    (8, 300, dict(is_causal=True, causal_alignment="bottom_right",
+                  local_window_size=(16, 0)), [0, 200, 274, 275]),
+], ids=["causal-top-left", "window-bottom-right"])
+def test_nan_in_keys_no_query_sees_changes_nothing_e07(Tq, Tk, kw, bad_rows):
+  # The kernels then see only the keys some query sees: still right.
+  _check_against_reference(kw, Tq=Tq, Tk=Tk)
+  q, k, v, do = _inputs(Tq=Tq, Tk=Tk)
+  rows = jnp.array(bad_rows)
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30, -jnp.inf], k.dtype)[jnp.arange(len(bad_rows)) % 4]
+  k_bad = k.at[:, rows].set(jnp.nan)
+  v_bad = v.at[:, rows].set(bad[None, :, None, None])
+  f = lambda q, k, v: flash3.dot_product_attention(  # noqa: E731
+      q, k, v, implementation="mosaic", return_residual=True, **kw)
+  results = []
+  with _kernels():
+    for kk, vv in ((k, v), (k_bad, v_bad)):
+      (o, lse), vjp = jax.vjp(f, q, kk, vv)
+      grads = vjp((do, jnp.zeros_like(lse)))
+      results.append([np.asarray(x, np.float32) for x in (o, lse, *grads)])
+  for name, clean, dirty in zip(("o", "lse", "dq", "dk", "dv"), *results):
+    np.testing.assert_array_equal(dirty, clean, err_msg=name)
+  for dk_or_dv in results[1][3:]:
+    assert (dk_or_dv[:, bad_rows] == 0).all()
+
+
 def test_vmap_folds_into_batch():
   q, k, v, _ = _inputs(B=2, Tq=40, Tk=40)
   with _kernels():
@@ -167,3 +200,29 @@ def test_sharded_jit_equals_unsharded():
   if ON_GPU:  # Interpreted kernels are not partitioned (see _kernel_call).
     assert not re.search(r"all-gather|all-to-all", hlo)
     assert tuple(got.sharding.spec)[:1] == ("data",)
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    q_len=st.integers(1, 70), kv_len=st.integers(1, 70), causal=st.booleans(),
+    alignment=st.sampled_from(["top_left", "bottom_right"]),
+    left=st.one_of(st.none(), st.integers(0, 80)),
+    right=st.one_of(st.none(), st.integers(0, 80)))
+def test_seen_keys_cut_keeps_every_visible_pair(q_len, kv_len, causal, alignment,
+                                                left, right):
+  """E07's cut: the keys outside [lo, hi) are seen by no query, and the
+  problem cut to [lo, hi) has exactly the original's visible pairs."""
+  from flash3.attention import _seen_keys
+  from flash3.visibility import MaskSpec, dense_mask
+  spec = MaskSpec(causal=causal, alignment=alignment, window_left=left,
+                  window_right=right)
+  full = np.asarray(dense_mask(spec, q_len, kv_len))[0, 0]
+  cut = _seen_keys(spec, q_len, kv_len)
+  seen = full.any(axis=0)
+  if cut is None:  # Nothing to cut: every key is seen, or none is.
+    assert seen.all() or not seen.any()
+    return
+  lo, hi = cut
+  assert not seen[:lo].any() and not seen[hi:].any()
+  np.testing.assert_array_equal(
+      np.asarray(dense_mask(spec, q_len, hi - lo))[0, 0], full[:, lo:hi])

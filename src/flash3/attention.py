@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flash3 import _dispatch, _validate
 from flash3._kernel_call import Extras, KernelArgs, mosaic_attention
 from flash3.reference import attention_reference
+from flash3.visibility import MaskSpec
 
 
 def dot_product_attention(
@@ -117,9 +118,15 @@ def dot_product_attention(
     static = KernelArgs(scale=p.scale, spec=p.spec,
                         interpret=_dispatch.interpret_params(),
                         softcap=p.logits_soft_cap, deterministic=p.deterministic)
+    k, v, kv_ids = p.k, p.v, p.key_value_segment_ids
+    if p.query_seq_lengths is None and p.key_value_seq_lengths is None:
+      if (cut := _seen_keys(p.spec, p.q.shape[1], k.shape[1])) is not None:
+        lo, hi = cut
+        k, v = k[:, lo:hi], v[:, lo:hi]
+        kv_ids = None if kv_ids is None else kv_ids[:, lo:hi]
     extras = Extras(p.query_seq_lengths, p.key_value_seq_lengths,
-                    p.query_segment_ids, p.key_value_segment_ids, p.sinks)
-    o, lse = mosaic_attention(p.q, p.k, p.v, extras, static)
+                    p.query_segment_ids, kv_ids, p.sinks)
+    o, lse = mosaic_attention(p.q, k, v, extras, static)
     lse = lse.transpose(0, 2, 1)
   else:
     o, lse = attention_reference(
@@ -133,6 +140,29 @@ def dot_product_attention(
   if p.unbatched:
     o, lse = o[0], lse[0]
   return (o, lse) if return_residual else o
+
+
+def _seen_keys(spec: MaskSpec, q_len: int, kv_len: int) -> tuple[int, int] | None:
+  """The keys [lo, hi) that some query sees, when that is fewer than all.
+
+  E07: the kernels compute whole key tiles and multiply the masked scores'
+  zero probabilities by k and v rows, so NaN or Inf in a row no query sees
+  would reach the result (0 * NaN) when it shares a tile with seen keys.
+  Cutting k and v to the keys some query sees (a static slice: the causal
+  mask's and the window's reach) leaves no such row to read. None when every
+  key is seen, when no key is, or when the cut would move the mask's
+  alignment (it never does for causal masks and windows: top_left only cuts
+  the end, bottom_right only the start).
+  """
+  if not spec.is_structural:
+    return None
+  lo, hi = spec.key_range(0, q_len, spec.shift(q_len, kv_len), kv_len)
+  lo, hi = max(int(lo), 0), min(int(hi), kv_len)
+  if lo >= hi or (lo == 0 and hi == kv_len):
+    return None
+  if spec.shift(q_len, hi - lo) != spec.shift(q_len, kv_len) - lo:
+    return None
+  return lo, hi
 
 
 def _empty(p: _validate.Problem):
