@@ -150,7 +150,11 @@ def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
     # 275 shares a key tile with them.
     (8, 300, dict(is_causal=True, causal_alignment="bottom_right",
                   local_window_size=(16, 0)), [0, 200, 274, 275]),
-], ids=["causal-top-left", "window-bottom-right"])
+    # With lengths (no cut; the kernels' wrappers select): 60 valid queries
+    # reach keys < 60 of the 200 valid ones.
+    (100, 240, dict(is_causal=True, query_seq_lengths=jnp.array([60]),
+                    key_value_seq_lengths=jnp.array([200])), [70, 127, 150, 199, 210]),
+], ids=["causal-top-left", "window-bottom-right", "causal-lengths"])
 def test_nan_in_keys_no_query_sees_changes_nothing_e07(Tq, Tk, kw, bad_rows):
   # The kernels then see only the keys some query sees: still right.
   _check_against_reference(kw, Tq=Tq, Tk=Tk)
@@ -226,3 +230,29 @@ def test_seen_keys_cut_keeps_every_visible_pair(q_len, kv_len, causal, alignment
   assert not seen[:lo].any() and not seen[hi:].any()
   np.testing.assert_array_equal(
       np.asarray(dense_mask(spec, q_len, hi - lo))[0, 0], full[:, lo:hi])
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    q_len=st.integers(1, 40), kv_len=st.integers(1, 40), causal=st.booleans(),
+    alignment=st.sampled_from(["top_left", "bottom_right"]),
+    left=st.one_of(st.none(), st.integers(0, 45)),
+    right=st.one_of(st.none(), st.integers(0, 45)),
+    lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)),
+                     min_size=1, max_size=3))
+def test_keys_in_reach_are_the_keys_some_valid_query_sees(
+    q_len, kv_len, causal, alignment, left, right, lengths):
+  """The keys the kernels' wrappers keep with lengths (E07): every key some
+  valid query sees, and exactly those when the row has a valid query."""
+  from flash3.visibility import MaskSpec, dense_mask, keys_in_reach
+  spec = MaskSpec(causal=causal, alignment=alignment, window_left=left,
+                  window_right=right)
+  ql = jnp.array([min(a, q_len) for a, _ in lengths], jnp.int32)
+  kl = jnp.array([min(b, kv_len) for _, b in lengths], jnp.int32)
+  seen = np.asarray(dense_mask(spec, q_len, kv_len, query_seq_lengths=ql,
+                               key_value_seq_lengths=kl))[:, 0].any(axis=1)
+  kept = np.asarray(keys_in_reach(spec, ql, kl, kv_len))
+  assert kept.shape == seen.shape
+  assert not (seen & ~kept).any()  # Never drops a key someone sees.
+  has_rows = np.asarray(ql) > 0
+  np.testing.assert_array_equal(kept[has_rows], seen[has_rows])

@@ -161,6 +161,27 @@ class MaskSpec:
     return q_lo, q_hi
 
 
+def keys_in_reach(spec: MaskSpec, q_lengths, kv_lengths, kv_len_static: int):
+  """(B, Tk) bool: key j is below kv_len and some query below q_len may see it.
+
+  By the causal mask's and the window's reach alone (``MaskSpec.key_range``
+  over each batch row's valid queries); segment ids are not considered.
+  Keys outside are seen by no query, so a caller may select them to 0 (E07).
+
+  Args:
+    spec: the MaskSpec.
+    q_lengths, kv_lengths: (B,) int32 valid lengths.
+    kv_len_static: Tk, the key axis' size.
+  """
+  q_len = jnp.asarray(q_lengths, jnp.int32)
+  kv_len = jnp.asarray(kv_lengths, jnp.int32)
+  lo, hi = spec.key_range(0, q_len, spec.shift(q_len, kv_len), kv_len)
+  lo = jnp.broadcast_to(jnp.asarray(lo, jnp.int32), q_len.shape)[:, None]
+  hi = jnp.broadcast_to(jnp.asarray(hi, jnp.int32), q_len.shape)[:, None]
+  j = jnp.arange(kv_len_static, dtype=jnp.int32)[None, :]
+  return (j >= lo) & (j < hi) & (j < kv_len[:, None])
+
+
 def dense_mask(
     spec: MaskSpec,
     q_len_static: int,

@@ -89,7 +89,7 @@ from flash3.kernels import common
 from flash3.kernels.config import (SMEM_LIMIT_BYTES, check_bool, check_multiple,
                                    window_key_span)
 from flash3.kernels.forward import _check_extras, _segment_tile_ranges
-from flash3.visibility import MaskSpec
+from flash3.visibility import MaskSpec, keys_in_reach
 
 _SMEM_RESERVED_BYTES = 1024
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -1057,11 +1057,12 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                          q_segment_ids, kv_segment_ids, softcap, None)
   lengths = extras["lengths"]
   if lengths is not None:
-    # E07: q, do rows past q_len and k, v rows past kv_len may hold NaN/Inf;
-    # 0 * NaN is NaN, so they are selected to 0 here (one extra read+write
-    # of q, do, k and v; only when lengths are given).
+    # E07: q, do rows past q_len and k, v rows past kv_len, or beyond every
+    # valid query's causal / window reach, may hold NaN/Inf; 0 * NaN is NaN,
+    # so they are selected to 0 here (one extra read+write of q, do, k and v;
+    # only when lengths are given).
     q_ok = jnp.arange(q_len, dtype=jnp.int32)[None, :] < lengths[0][:, None]
-    k_ok = jnp.arange(kv_len, dtype=jnp.int32)[None, :] < lengths[1][:, None]
+    k_ok = keys_in_reach(mask, lengths[0], lengths[1], kv_len)
     zero = lambda x, ok: jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
     q, do = zero(q, q_ok), zero(do, q_ok)
     k, v = zero(k, k_ok), zero(v, k_ok)

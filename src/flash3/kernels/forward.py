@@ -81,7 +81,7 @@ from flash3.kernels import common, schedule
 from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
-from flash3.visibility import MaskSpec
+from flash3.visibility import MaskSpec, keys_in_reach
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Optional inputs of ``attention_forward`` that the kernel supports (issue 6);
@@ -199,11 +199,11 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   extras = _check_extras(B, Tq, Tk, N, q_lengths, kv_lengths, q_segment_ids,
                          kv_segment_ids, softcap, sinks)
   if extras["lengths"] is not None:
-    # E07: keys past kv_len may hold NaN/Inf; p = 0 times NaN is NaN, so those
-    # V rows are selected to 0 here (one extra read+write of v; only with
-    # lengths). K needs nothing: its scores are selected to -inf in-kernel.
-    kv_len = extras["lengths"][1]
-    valid = jnp.arange(Tk, dtype=jnp.int32)[None, :] < kv_len[:, None]
+    # E07: keys past kv_len, or beyond every valid query's causal / window
+    # reach, may hold NaN/Inf; p = 0 times NaN is NaN, so those V rows are
+    # selected to 0 here (one extra read+write of v; only with lengths). K
+    # needs nothing: its scores are selected to -inf in-kernel.
+    valid = keys_in_reach(mask, *extras["lengths"], Tk)
     v = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
   d_pad = _round_up(D, HEAD_DIM_MULTIPLE)
   # Mosaic GPU's tiled TMA views a length T > 8 as (T / 8, 8) rows, so a T
