@@ -87,6 +87,7 @@ from jax import lax
 
 from flash3.kernels import common
 from flash3.kernels.config import (SMEM_LIMIT_BYTES, check_bool, check_multiple,
+                                   check_registers,
                                    window_key_span)
 from flash3.kernels.forward import _check_extras, _segment_tile_ranges
 from flash3.visibility import MaskSpec, keys_in_reach
@@ -164,18 +165,7 @@ class BackwardConfig:
     check_multiple("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
     check_multiple("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
-    check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
-    check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
-    if self.producer_registers > self.compute_registers:
-      raise ValueError(
-          f"producer_registers={self.producer_registers} exceeds compute_registers="
-          f"{self.compute_registers}: setmaxnreg raises the compute warpgroups' "
-          "count and lowers the producer's")
-    if 128 * (2 * self.compute_registers + self.producer_registers) > 65536:
-      raise ValueError(
-          f"compute_registers={self.compute_registers} with producer_registers="
-          f"{self.producer_registers} needs more than the 65536 registers of a CTA "
-          "(two compute warpgroups and the producer, 128 threads each)")
+    check_registers(self.compute_registers, self.producer_registers)
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq"):
       check_bool(name, getattr(self, name))

@@ -45,6 +45,22 @@ def check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
         f"in [{lo}, {hi}]")
 
 
+def check_registers(compute: int, producer: int) -> None:
+  """Raises ValueError unless (compute, producer) is a valid setmaxnreg split
+  for two compute warpgroups and one producer warpgroup of 128 threads."""
+  check_multiple("compute_registers", compute, 8, 24, 256)
+  check_multiple("producer_registers", producer, 8, 24, 256)
+  if producer > compute:
+    raise ValueError(
+        f"producer_registers={producer} exceeds compute_registers={compute}: "
+        "setmaxnreg raises the compute warpgroups' count and lowers the producer's")
+  total = 128 * (NUM_COMPUTE_WARPGROUPS * compute + producer)
+  if total > 65536:
+    raise ValueError(
+        f"compute_registers={compute} with producer_registers={producer} needs "
+        f"{total} registers per CTA; at most 65536 are allowed")
+
+
 def check_bool(name: str, value) -> None:
   """ValueError naming the config field unless value is a bool."""
   if not isinstance(value, bool):
@@ -99,8 +115,6 @@ class ForwardConfig:
       raise ValueError(f"block_q={self.block_q!r} is not allowed: it must be 64")
     check_multiple("block_kv", self.block_kv, 64, 64, 256)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
-    check_multiple("compute_registers", self.compute_registers, 8, 24, 256)
-    check_multiple("producer_registers", self.producer_registers, 8, 24, 256)
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
@@ -110,19 +124,7 @@ class ForwardConfig:
       raise ValueError(f"overlap_softmax=True needs num_stages >= 2; got "
                        f"num_stages={self.num_stages}")
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
-    if self.producer_registers > self.compute_registers:
-      raise ValueError(
-          f"producer_registers={self.producer_registers} exceeds compute_registers="
-          f"{self.compute_registers}: setmaxnreg raises the compute warpgroups' "
-          "count and lowers the producer's")
-    # setmaxnreg: 2 compute warpgroups + 1 producer share 64K registers.
-    total = 128 * (NUM_COMPUTE_WARPGROUPS * self.compute_registers
-                   + self.producer_registers)
-    if total > 65536:
-      raise ValueError(
-          f"compute_registers={self.compute_registers} with producer_registers="
-          f"{self.producer_registers} needs {total} registers per CTA; at most "
-          "65536 are allowed")
+    check_registers(self.compute_registers, self.producer_registers)
 
 
 def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
