@@ -177,6 +177,33 @@ def test_nan_in_keys_no_query_sees_changes_nothing_e07(Tq, Tk, kw, bad_rows):
     assert (dk_or_dv[:, bad_rows] == 0).all()
 
 
+@pytest.mark.parametrize("kw", [
+    dict(is_causal=True, causal_alignment="bottom_right"),   # rows < 40 see nothing
+    dict(is_causal=True, causal_alignment="bottom_right",    # rows < 30 see nothing
+         query_seq_lengths=jnp.array([90]), key_value_seq_lengths=jnp.array([60])),
+], ids=["static", "lengths"])
+def test_nan_in_query_rows_that_see_no_key_changes_nothing_e06(kw):
+  q, k, v, do = _inputs(Tq=100, Tk=60)
+  q_bad = q.at[:, jnp.array([0, 17, 29])].set(jnp.nan)
+  f = lambda q: flash3.dot_product_attention(  # noqa: E731
+      q, k, v, implementation="mosaic", return_residual=True, **kw)
+  results = []
+  with _kernels():
+    for qq in (q, q_bad):
+      (o, lse), vjp = jax.vjp(f, qq)
+      (dq,) = vjp((do, jnp.zeros_like(lse)))
+      _, vjp_kv = jax.vjp(lambda k, v: flash3.dot_product_attention(
+          qq, k, v, implementation="mosaic", **kw), k, v)
+      results.append([np.asarray(x, np.float32) for x in (o, lse, dq, *vjp_kv(do))])
+  for name, clean, dirty in zip(("o", "lse", "dq", "dk", "dv"), *results):
+    np.testing.assert_array_equal(dirty, clean, err_msg=name)
+
+
+def test_head_dim_not_a_multiple_of_16_runs_both_kernels():
+  """D = 40: the forward pads to 64, and so does the backward."""
+  _check_against_reference(dict(is_causal=True), D=40)
+
+
 def test_vmap_folds_into_batch():
   q, k, v, _ = _inputs(B=2, Tq=40, Tk=40)
   with _kernels():
@@ -240,11 +267,11 @@ def test_seen_keys_cut_keeps_every_visible_pair(q_len, kv_len, causal, alignment
     right=st.one_of(st.none(), st.integers(0, 45)),
     lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)),
                      min_size=1, max_size=3))
-def test_keys_in_reach_are_the_keys_some_valid_query_sees(
+def test_keys_and_queries_in_reach_are_exactly_those_that_see(
     q_len, kv_len, causal, alignment, left, right, lengths):
   """The keys the kernels' wrappers keep with lengths (E07): every key some
   valid query sees, and exactly those when the row has a valid query."""
-  from flash3.visibility import MaskSpec, dense_mask, keys_in_reach
+  from flash3.visibility import MaskSpec, dense_mask, keys_in_reach, queries_in_reach
   spec = MaskSpec(causal=causal, alignment=alignment, window_left=left,
                   window_right=right)
   ql = jnp.array([min(a, q_len) for a, _ in lengths], jnp.int32)
@@ -256,3 +283,10 @@ def test_keys_in_reach_are_the_keys_some_valid_query_sees(
   assert not (seen & ~kept).any()  # Never drops a key someone sees.
   has_rows = np.asarray(ql) > 0
   np.testing.assert_array_equal(kept[has_rows], seen[has_rows])
+  # The mirror for query rows (the backward selects the others' q, do to 0).
+  sees = np.asarray(dense_mask(spec, q_len, kv_len, query_seq_lengths=ql,
+                               key_value_seq_lengths=kl))[:, 0].any(axis=2)
+  rows = np.asarray(queries_in_reach(spec, ql, kl, q_len))
+  has_keys = np.asarray(kl) > 0
+  assert not (sees & ~rows).any()
+  np.testing.assert_array_equal(rows[has_keys], sees[has_keys])

@@ -182,6 +182,21 @@ def keys_in_reach(spec: MaskSpec, q_lengths, kv_lengths, kv_len_static: int):
   return (j >= lo) & (j < hi) & (j < kv_len[:, None])
 
 
+def queries_in_reach(spec: MaskSpec, q_lengths, kv_lengths, q_len_static: int):
+  """(B, Tq) bool: query i is below q_len and may see some key below kv_len.
+
+  The mirror of ``keys_in_reach`` (``MaskSpec.query_range``); rows outside
+  see no key, so their q (and do) may be selected to 0 (E06, E07).
+  """
+  q_len = jnp.asarray(q_lengths, jnp.int32)
+  kv_len = jnp.asarray(kv_lengths, jnp.int32)
+  lo, hi = spec.query_range(0, kv_len, spec.shift(q_len, kv_len), q_len)
+  lo = jnp.broadcast_to(jnp.asarray(lo, jnp.int32), q_len.shape)[:, None]
+  hi = jnp.broadcast_to(jnp.asarray(hi, jnp.int32), q_len.shape)[:, None]
+  i = jnp.arange(q_len_static, dtype=jnp.int32)[None, :]
+  return (i >= lo) & (i < hi) & (i < q_len[:, None])
+
+
 def dense_mask(
     spec: MaskSpec,
     q_len_static: int,

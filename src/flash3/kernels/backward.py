@@ -90,7 +90,7 @@ from flash3.kernels.config import (SMEM_LIMIT_BYTES, check_bool, check_multiple,
                                    check_registers,
                                    window_key_span)
 from flash3.kernels.forward import _check_extras, _segment_tile_ranges
-from flash3.visibility import MaskSpec, keys_in_reach
+from flash3.visibility import MaskSpec, keys_in_reach, queries_in_reach
 
 _SMEM_RESERVED_BYTES = 1024
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -283,8 +283,9 @@ def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
     return f"{n} query heads are not a multiple of {k} key/value heads"
   if tq < 1 or tk < 1:
     return f"sequence lengths Tq={tq}, Tk={tk} must be at least 1"
-  if d % 16 or not 16 <= d <= 256:
-    return f"head_dim {d} is not a multiple of 16 in [16, 256]"
+  if d % 8 or not 8 <= d <= 256:
+    return (f"head_dim {d} is not a multiple of 8 in [8, 256] (one that is not "
+            "a multiple of 16 is zero-padded to a multiple of 64)")
   return None
 
 
@@ -1025,6 +1026,17 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   """
   if (reason := unsupported_reason(q.shape, k.shape, q.dtype, mask)) is not None:
     raise ValueError(f"attention_backward: {reason}")
+  if (d := q.shape[-1]) % 16:
+    # A head_dim that is a multiple of 8 but not of 16 does not lower: zero
+    # columns up to the next multiple of 64, as the forward does (exact: they
+    # add 0 to every score and delta; their gradients are sliced off).
+    padded = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, _round_up(d, 64) - d),))
+    grads = attention_backward(
+        padded(q), padded(k), padded(v), padded(o), lse, padded(do), scale=scale,
+        mask=mask, config=config, interpret=interpret, delta=delta,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, softcap=softcap, deterministic=deterministic)
+    return tuple(g[..., :d] for g in grads)
   if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match "
                      f"each other and q's dtype {q.dtype}")
@@ -1046,16 +1058,24 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   extras = _check_extras(b, q_len, kv_len, n, q_lengths, kv_lengths,
                          q_segment_ids, kv_segment_ids, softcap, None)
   lengths = extras["lengths"]
+  zero = lambda x, ok: jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
   if lengths is not None:
-    # E07: q, do rows past q_len and k, v rows past kv_len, or beyond every
-    # valid query's causal / window reach, may hold NaN/Inf; 0 * NaN is NaN,
-    # so they are selected to 0 here (one extra read+write of q, do, k and v;
-    # only when lengths are given).
-    q_ok = jnp.arange(q_len, dtype=jnp.int32)[None, :] < lengths[0][:, None]
+    # E06, E07: q, do rows past q_len or seeing no key, and k, v rows past
+    # kv_len or beyond every valid query's causal / window reach, may hold
+    # NaN/Inf; 0 * NaN is NaN, so they are selected to 0 here (one extra
+    # read+write of q, do, k and v; only when lengths are given).
+    q_ok = queries_in_reach(mask, lengths[0], lengths[1], q_len)
     k_ok = keys_in_reach(mask, lengths[0], lengths[1], kv_len)
-    zero = lambda x, ok: jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
     q, do = zero(q, q_ok), zero(do, q_ok)
     k, v = zero(k, k_ok), zero(v, k_ok)
+  else:
+    # The same for query rows that see no key by the mask alone (causal
+    # bottom_right with Tq > Tk, windows): static, so only then a select.
+    lo, hi = mask.query_range(0, kv_len, mask.shift(q_len, kv_len), q_len)
+    if (lo, hi) != (0, q_len):
+      rows = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+      q_ok = (rows >= lo) & (rows < hi)
+      q, do = zero(q, q_ok), zero(do, q_ok)
   # Mosaic's tiled TMA views a sequence axis in rows of 8, so a length that is
   # not a multiple of 8 is zero-padded up to one (a copy of q, do or k, v
   # only then; the masks use the true lengths and the results are sliced).
