@@ -175,11 +175,8 @@ def keys_in_reach(spec: MaskSpec, q_lengths, kv_lengths, kv_len_static: int):
   """
   q_len = jnp.asarray(q_lengths, jnp.int32)
   kv_len = jnp.asarray(kv_lengths, jnp.int32)
-  lo, hi = spec.key_range(0, q_len, spec.shift(q_len, kv_len), kv_len)
-  lo = jnp.broadcast_to(jnp.asarray(lo, jnp.int32), q_len.shape)[:, None]
-  hi = jnp.broadcast_to(jnp.asarray(hi, jnp.int32), q_len.shape)[:, None]
-  j = jnp.arange(kv_len_static, dtype=jnp.int32)[None, :]
-  return (j >= lo) & (j < hi) & (j < kv_len[:, None])
+  bounds = spec.key_range(0, q_len, spec.shift(q_len, kv_len), kv_len)
+  return _rows_within(bounds, kv_len, kv_len_static)
 
 
 def queries_in_reach(spec: MaskSpec, q_lengths, kv_lengths, q_len_static: int):
@@ -190,11 +187,16 @@ def queries_in_reach(spec: MaskSpec, q_lengths, kv_lengths, q_len_static: int):
   """
   q_len = jnp.asarray(q_lengths, jnp.int32)
   kv_len = jnp.asarray(kv_lengths, jnp.int32)
-  lo, hi = spec.query_range(0, kv_len, spec.shift(q_len, kv_len), q_len)
-  lo = jnp.broadcast_to(jnp.asarray(lo, jnp.int32), q_len.shape)[:, None]
-  hi = jnp.broadcast_to(jnp.asarray(hi, jnp.int32), q_len.shape)[:, None]
-  i = jnp.arange(q_len_static, dtype=jnp.int32)[None, :]
-  return (i >= lo) & (i < hi) & (i < q_len[:, None])
+  bounds = spec.query_range(0, kv_len, spec.shift(q_len, kv_len), q_len)
+  return _rows_within(bounds, q_len, q_len_static)
+
+
+def _rows_within(bounds, length, size: int):
+  """(B, size) bool: lo[b] <= i < min(hi[b], length[b]); bounds may be ints."""
+  lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), length.shape)[:, None]
+            for x in bounds)
+  i = jnp.arange(size, dtype=jnp.int32)[None, :]
+  return (i >= lo) & (i < hi) & (i < length[:, None])
 
 
 def dense_mask(
