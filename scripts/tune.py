@@ -130,6 +130,46 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
   return _fitting(cands, D)
 
 
+def _vary_candidates(what, D, T, causal, window, vary):
+  """The default config for this shape with every combination of ``vary``
+  ({field: [values]}) applied: an A/B of config fields at the defaults."""
+  from flash3.kernels.backward import BackwardConfig
+  from flash3.kernels.forward import default_config
+  from flash3.visibility import MaskSpec
+  mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=window,
+                  window_right=None if window is None or causal else window)
+  base = (default_config(D, "bfloat16", mask, T, T) if what == "fwd"
+          else BackwardConfig.heuristic(D, T, T, mask))
+  names = list(vary)
+  out = []
+  for values in itertools.product(*(vary[n] for n in names)):
+    try:
+      c = dataclasses.replace(base, **dict(zip(names, values)))
+    except ValueError as e:
+      print(f"skipped {dict(zip(names, values))}: {e}", flush=True)
+      continue
+    if c not in out:
+      out.append(c)
+  return out
+
+
+def _parse_vary(items):
+  """["named_barriers=0,1", "num_stages=2,3"] -> {field: [values]} (ints;
+  0 / 1 become bools for bool fields of the default config)."""
+  from flash3.kernels.backward import BackwardConfig
+  from flash3.kernels.config import ForwardConfig
+  fields = {f.name: f for cls in (ForwardConfig, BackwardConfig)
+            for f in dataclasses.fields(cls)}
+  vary = {}
+  for item in items:
+    name, _, vals = item.partition("=")
+    if name not in fields or not vals:
+      raise SystemExit(f"--vary {item!r}: expected FIELD=V1,V2 with a config field")
+    conv = (lambda x: bool(int(x))) if fields[name].type in ("bool", bool) else int
+    vary[name] = [conv(v) for v in vals.split(",")]
+  return vary
+
+
 def _fitting(cands, D):
   ok = []
   for c in cands:
@@ -252,6 +292,9 @@ def main():
   ap.add_argument("--nondeterministic", action="store_true",
                   help="bwd: the single-kernel backward (dq by TMA reduce-add) "
                        "variants beside the default")
+  ap.add_argument("--vary", nargs="+", default=None,
+                  help="instead of a sweep: the default config of each shape "
+                       "with these fields varied, e.g. named_barriers=0,1")
   ap.add_argument("--jobs", type=int, default=8)
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--time-budget", type=float, default=300)
@@ -260,8 +303,11 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
   tasks = []
+  vary = _parse_vary(args.vary) if args.vary else None
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
-    if args.what == "fwd":
+    if vary is not None:
+      cands = _vary_candidates(args.what, D, T, bool(causal), args.window, vary)
+    elif args.what == "fwd":
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages),
                               tuple(args.overlap),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from flash3._device import DEFAULT_SM_COUNT
+from flash3.kernels import sync
 from flash3.visibility import MaskSpec
 
 # Opt-in shared memory per CTA on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -34,6 +35,9 @@ SMEM_LIMIT_BYTES = 227 * 1024
 SMEM_RESERVED_BYTES = 3072
 # The forward runs two compute warpgroups, each on its own tile of block_q rows.
 NUM_COMPUTE_WARPGROUPS = 2
+# Ring depth the forward's named barriers allow: the CTA's free hardware
+# barriers, less the two ping-pong turns, two (k, v) per slot.
+MAX_NAMED_STAGES = (sync.NUM_IDS - sync.FIRST_ID - sync.PingPong.IDS) // 2
 
 
 def check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
@@ -98,6 +102,11 @@ class ForwardConfig:
       D=128 (and 35% slower with P kept in registers, which was tried and
       dropped; docs/benchmarks/h200/2026-12-01-s6/tune.md), so it is off by
       default and kept for experiments.
+    named_barriers: on the GPU, hand the ping-pong turns and the ring's
+      releases over with hardware named barriers (``bar.arrive`` /
+      ``bar.sync``, kernels/sync.py) instead of mbarriers; interpret mode
+      always uses mbarriers (same protocol). Needs num_stages <= 5 (16
+      hardware barriers per CTA).
   """
 
   block_q: int = 64
@@ -109,6 +118,7 @@ class ForwardConfig:
   persistent: bool = False
   num_sms: int = DEFAULT_SM_COUNT
   overlap_softmax: bool = False
+  named_barriers: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -118,6 +128,11 @@ class ForwardConfig:
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
+    check_bool("named_barriers", self.named_barriers)
+    if self.named_barriers and self.num_stages > MAX_NAMED_STAGES:
+      raise ValueError(
+          f"named_barriers=True needs num_stages <= {MAX_NAMED_STAGES} (two "
+          f"hardware barriers per ring slot); got num_stages={self.num_stages}")
     if self.overlap_softmax and self.num_stages < 2:
       # One slot: V_{t-1} is released only after step t's syncs with the other
       # warpgroup, which may be waiting for that slot's next tile: deadlock.

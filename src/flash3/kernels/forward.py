@@ -77,7 +77,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from flash3 import _device
-from flash3.kernels import common, schedule
+from flash3.kernels import common, schedule, sync
 from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
@@ -361,6 +361,7 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
   lse_len = num_q_ctas * cta_rows
   transforms = common.smem_swizzle_transforms(D, dtype.itemsize)
   staging = not common.uses_register_operands(interpret)
+  named = config.named_barriers and not staging
 
   body = functools.partial(
       _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
@@ -368,7 +369,7 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       config=config, num_q_ctas=num_q_ctas, has_lengths=lengths is not None,
       has_sinks=sinks is not None, has_segments=segments is not None,
       softcap=softcap, drain=drain, num_heads=N, batch_size=B,
-      separate_o=separate_o)
+      separate_o=separate_o, named=named)
   extra_inputs = ((*lengths,) if lengths is not None else ()) + (
       (sinks,) if sinks is not None else ())
   if segments is not None:
@@ -391,12 +392,16 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       q_loaded=plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS),
       k_loaded=plgpu.Barrier(num_barriers=stages),
       v_loaded=plgpu.Barrier(num_barriers=stages),
-      k_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
-                           num_barriers=stages),
-      v_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
-                           num_barriers=stages),
-      schedule=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS),
   )
+  if not named:
+    # Interpret mode (or named_barriers off): mbarriers for the ping-pong
+    # turns (one per warpgroup) and the ring's releases (sync.py).
+    scratch.update(
+        k_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
+                             num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
+                             num_barriers=stages),
+        schedule=plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS))
   if config.persistent and separate_o:
     scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                               transforms=transforms)
@@ -450,7 +455,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  Tq, Tk, heads_per_kv, scale, mask, block_q, block_kv, stages,
                  dtype, config, num_q_ctas, has_lengths, has_sinks,
                  has_segments, softcap, drain=True, num_heads=None,
-                 batch_size=None, num_ctas=None, separate_o=False):
+                 batch_size=None, num_ctas=None, separate_o=False,
+                 named=False):
   """One CTA: one work item (the grid), or a loop over items (``config.persistent``).
 
   A work item is (head, query CTA tile, batch). The persistent kernel
@@ -469,6 +475,15 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   seg_refs = tuple(extra_refs) if has_segments else None
   static_lengths = (Tq, Tk)
   cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
+  # Ping-pong turns and ring releases (sync.py): named barriers on the GPU
+  # (ids: the two turns, then k's slots, then v's), mbarriers when interpreted.
+  turns = sync.PingPong(wg, None if named else smem["schedule"])
+  first = sync.FIRST_ID + sync.PingPong.IDS
+  release = {
+      name: sync.Release(stages, NUM_COMPUTE_WARPGROUPS,
+                         None if named else smem[f"{name}_free"],
+                         first_id=first + i * stages)
+      for i, name in enumerate(("k", "v"))}
 
   def setup(head, q_cta, batch):
     """The per-item scalars: lengths, shift, the key tiles the CTA streams."""
@@ -502,10 +517,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     if g0 is None:  # One item per CTA: its first tile takes slot 0.
       return lambda t: lax.rem(t - it["t_lo"], stages)
     return lambda t: lax.rem(g0 + (t - it["t_lo"]), stages)
-
-  def schedule_sync():
-    plgpu.barrier_arrive(smem["schedule"])
-    plgpu.barrier_wait(smem["schedule"])
 
   def compute_item(it, slot_of, *, load_q, next_q=None):
     """One item on compute warpgroup ``wg``.
@@ -555,7 +566,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     def scores(s, t, *, masked: bool):
       """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked."""
       # Scale first, then take the max of the scaled scores: exp2(s - m) <= 1
-      # exactly, even where an FMA's unrounded product would overflow (E03).
+      # exactly, even where an FMA's unrounded product would overflow (E03;
+      # folding the scale into an FMA s * c - m was tried: with |m| >= 2**31
+      # no shift of m keeps exp2's argument both <= 0 and > -126).
       if softcap is None:
         s = s * score_scale
       else:
@@ -593,8 +606,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       acc, m, l = carry
       slot = slot_of(t)
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
-                             (block_q, block_kv), while_running=schedule_sync)
-      plgpu.barrier_arrive(smem["k_free"].at[slot])
+                             (block_q, block_kv), while_running=turns.signal)
+      release["k"].free(slot)
       s = scores(s, t, masked=masked)
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
@@ -603,9 +616,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       l = l * alpha
 
       def release_softmax():
-        plgpu.barrier_arrive(smem["schedule"])
         plgpu.barrier_wait(smem["v_loaded"].at[slot])
-        plgpu.barrier_wait(smem["schedule"])
+        turns.wait()
 
       p16 = p.astype(dtype)
       # Which of the row sum and the barriers goes first matters for register
@@ -625,7 +637,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       acc = common.accumulate_register_lhs(acc, p16, smem["v"].at[slot],
                                            staging=p_stage,
                                            while_running=wait_next_k)
-      plgpu.barrier_arrive(smem["v_free"].at[slot])
+      release["v"].free(slot)
       return acc, m_new, l
 
     # config.overlap_softmax (FlashAttention-3, Section 3.2): step t issues
@@ -652,10 +664,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       acc, m, l = carry  # acc is still 0: nothing to rescale.
       slot = slot_of(t)
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
-                             (block_q, block_kv), while_running=schedule_sync)
-      plgpu.barrier_arrive(smem["k_free"].at[slot])
+                             (block_q, block_kv), while_running=turns.signal)
+      release["k"].free(slot)
       p16, m, _, l = softmax_to_p(s, t, m, l, masked=True)
-      schedule_sync()
+      turns.wait()
       store_p(p16)
       return acc, m, l
 
@@ -668,14 +680,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       v_prev = smem["v"].at[prev]
 
       def after_scores(s):
-        plgpu.barrier_arrive(smem["k_free"].at[slot])
+        release["k"].free(slot)
         out = softmax_to_p(s, t, m, l, masked=masked)
-        schedule_sync()  # The other warpgroup's matmuls may start.
+        turns.wait()  # Our turn on the tensor cores again.
         return out
 
       if p_stage is not None:  # Interpret mode: one matmul after the other.
         s = common.matmul_smem(q_smem, k_t, (block_q, block_kv),
-                               while_running=schedule_sync)
+                               while_running=turns.signal)
         p16, m, alpha, l = after_scores(s)
         acc = acc + common.matmul_smem(p_tile, v_prev, acc.shape)
       else:
@@ -683,7 +695,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           acc_ref, s_ref, p_ref, m_ref, alpha_ref, l_ref = refs
           plgpu.wgmma(s_ref, q_smem, k_t)
           plgpu.wgmma(acc_ref, p_tile, v_prev)
-          schedule_sync()
+          turns.signal()
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t only.
           p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = after_scores(s)
         zeros = lambda shape, dt: plgpu.layout_cast(jnp.zeros(shape, dt),
@@ -692,7 +704,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         acc, _, p16, m, alpha, l = pl.run_state(body)((
             plgpu.ACC.init(acc), plgpu.ACC.init(zeros((block_q, block_kv), jnp.float32)),
             zeros((block_q, block_kv), dtype), m, m, l))
-      plgpu.barrier_arrive(smem["v_free"].at[prev])
+      release["v"].free(prev)
       store_p(p16)  # P_{t-1} V_{t-1} has read the tile.
       return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l
 
@@ -705,29 +717,30 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       else:
         acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
             acc_ref, p_tile, smem["v"].at[slot]))(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(smem["v_free"].at[slot])
+      release["v"].free(slot)
       return acc, m, l
 
     def skip_step(t, carry):
       # Keep every barrier's phases in step with the other warpgroup and the
-      # producer: wait for and release the tile, sync twice like compute_step.
+      # producer: wait for and release the tile, signal and wait for the
+      # turn like compute_step.
       slot = slot_of(t)
       plgpu.barrier_wait(smem["k_loaded"].at[slot])
-      plgpu.barrier_arrive(smem["k_free"].at[slot])
-      schedule_sync()
+      release["k"].free(slot)
+      turns.signal()
       plgpu.barrier_wait(smem["v_loaded"].at[slot])
-      plgpu.barrier_arrive(smem["v_free"].at[slot])
-      schedule_sync()
+      release["v"].free(slot)
+      turns.wait()
       return carry
 
     acc = plgpu.layout_cast(jnp.zeros((block_q, D), jnp.float32),
                             plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), reduced)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), reduced)
-    # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0. Each
-    # warpgroup syncs 2 * tiles + 1 times per item, so the persistent kernel
+    # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0; per item
+    # every signal is waited for (sync.PingPong), so the persistent kernel
     # starts every item with the two in the same state as a fresh CTA.
-    pl.when(wg == 1)(schedule_sync)
+    turns.start()
     lax.fori_loop(t_lo, w_lo, skip_step, None)
 
     @pl.when(w_lo < w_hi)
@@ -750,7 +763,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
       carry = lax.fori_loop(m2, w_hi, functools.partial(compute_step, masked=True), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
-    pl.when(wg == 0)(schedule_sync)
+    turns.finish()
     acc, m, l = carry
     if next_q is not None and separate_o:
       # Every QK^T of this item has completed (its scores were read), so the
@@ -817,10 +830,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
       for name in ("k", "v"):
         if wait_free is True:
-          plgpu.barrier_wait(smem[f"{name}_free"].at[slot])
+          release[name].wait(slot)
         elif wait_free is not None:
-          pl.when(wait_free)(functools.partial(
-              plgpu.barrier_wait, smem[f"{name}_free"].at[slot]))
+          pl.when(wait_free)(functools.partial(release[name].wait, slot))
         ref = k_ref if name == "k" else v_ref
         plgpu.copy_gmem_to_smem(ref.at[rows], smem[name].at[slot],
                                 smem[f"{name}_loaded"].at[slot])
@@ -849,8 +861,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       @pl.loop(jnp.maximum(g_hi - stages, g_lo), g_hi)
       def _drain(t):
         slot = slot_of(t)
-        plgpu.barrier_wait(smem["k_free"].at[slot])
-        plgpu.barrier_wait(smem["v_free"].at[slot])
+        release["k"].wait(slot)
+        release["v"].wait(slot)
 
   if not config.persistent:
     q_cta = common.grid_index(common.Q_TILES_AXIS, num_q_ctas, config.reverse_q_tiles)

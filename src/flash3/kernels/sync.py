@@ -1,0 +1,147 @@
+"""Synchronisation between the warpgroups of a CTA: hardware named barriers
+on the GPU, mbarriers in GPU interpret mode, one protocol for both.
+
+Two uses (FlashAttention-3, Shah et al. 2024, sections 3.1 and 3.2):
+
+* ``PingPong``: the two compute warpgroups take turns on the tensor cores.
+  A warpgroup issues its matmuls, then ``signal()``s the other one's turn,
+  and before its next matmuls ``wait()``s for its own turn (the other's
+  signal). This one-way hand-off lets one warpgroup's softmax run while the
+  other's matmuls do, without making both meet at every step.
+* ``Release``: consumers tell the producer that a ring slot is free.
+
+Why named barriers on the GPU: a Mosaic GPU mbarrier arrival is made by every
+thread of a warpgroup (128 shared-memory atomics) and a wait spins on
+``mbarrier.try_wait``; ``bar.arrive`` / ``bar.sync`` on one of the CTA's 16
+hardware barriers is one instruction per warp (tokamax's sm90 attention does
+the same). The interpreter cannot run PTX, so interpret mode keeps mbarriers
+with exactly the same arrive / wait pattern, and its race detector checks
+that pattern.
+
+Barrier ids: Mosaic GPU uses id 0 (``gpu.barrier``) and ids 1..3 (one per
+warpgroup, ``utils.warpgroup_barrier``), so ours start at ``FIRST_ID``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax.experimental.mosaic import gpu as mgpu
+
+WARPGROUP_THREADS = 128
+FIRST_ID = 4
+NUM_IDS = 16  # Hardware named barriers per CTA on sm90.
+
+
+def _bar(op: str, barrier_id, num_threads: int) -> None:
+  """``bar.<op> barrier_id, num_threads`` from every thread of the warpgroup."""
+  if isinstance(barrier_id, int):
+    @plgpu.inline_mgpu()
+    def emit(_):
+      mgpu.utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};",
+                            has_side_effects=True, convergent=True)
+    emit()
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  def emit_dynamic(_, bid):
+    mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()],
+                          has_side_effects=True, convergent=True)
+  emit_dynamic(jnp.asarray(barrier_id, jnp.int32))
+
+
+def named_arrive(barrier_id, num_threads: int) -> None:
+  """Arrive on hardware barrier ``barrier_id`` (expecting ``num_threads``) without waiting."""
+  _bar("arrive", barrier_id, num_threads)
+
+
+def named_sync(barrier_id, num_threads: int) -> None:
+  """Arrive on hardware barrier ``barrier_id`` and wait until ``num_threads`` have."""
+  _bar("sync", barrier_id, num_threads)
+
+
+def check_ids(count: int, what: str) -> None:
+  """ValueError if ``count`` named barriers from FIRST_ID do not fit in the CTA's 16."""
+  if FIRST_ID + count > NUM_IDS:
+    raise ValueError(
+        f"{what} needs {count} hardware named barriers; ids {FIRST_ID}.."
+        f"{NUM_IDS - 1} leave room for {NUM_IDS - FIRST_ID}")
+
+
+class PingPong:
+  """The compute warpgroups' turns on the tensor cores (FA3 section 3.1).
+
+  Per step each warpgroup calls ``signal()`` once (after issuing its
+  matmuls) and ``wait()`` once (before issuing the next ones). Warpgroup 1
+  starts with one extra ``wait()`` (``start``) and warpgroup 0 ends with one
+  extra ``signal()`` (``finish``), so every signal is waited for and an item
+  of the persistent kernel starts in the state a fresh CTA has.
+
+  Args:
+    wg: this warpgroup's index (0 or 1), traced.
+    mbarriers: interpret mode: ``plgpu.Barrier(num_barriers=2)`` (one
+      warpgroup's arrivals each); None on the GPU, which uses named barriers
+      ``first_id`` (warpgroup 0's turn) and ``first_id + 1``.
+  """
+
+  IDS = 2
+
+  def __init__(self, wg, mbarriers=None, first_id: int = FIRST_ID):
+    self.wg = wg
+    self.mbarriers = mbarriers
+    self.first_id = first_id
+
+  def signal(self) -> None:
+    """Hands the tensor cores to the other warpgroup."""
+    other = 1 - self.wg
+    if self.mbarriers is not None:
+      plgpu.barrier_arrive(self.mbarriers.at[other])
+    else:
+      named_arrive(self.first_id + other, 2 * WARPGROUP_THREADS)
+
+  def wait(self) -> None:
+    """Waits until the other warpgroup hands the tensor cores back."""
+    if self.mbarriers is not None:
+      plgpu.barrier_wait(self.mbarriers.at[self.wg])
+    else:
+      named_sync(self.first_id + self.wg, 2 * WARPGROUP_THREADS)
+
+  def start(self) -> None:
+    """Warpgroup 1 lets warpgroup 0 go first."""
+    pl.when(self.wg == 1)(self.wait)
+
+  def finish(self) -> None:
+    """Warpgroup 0 answers warpgroup 1's last wait."""
+    pl.when(self.wg == 0)(self.signal)
+
+
+class Release:
+  """Consumers free ring slots for one producer warpgroup.
+
+  Each of ``consumers`` compute warpgroups calls ``free(slot)`` once per
+  tile it has finished reading; the producer calls ``wait(slot)`` before it
+  overwrites the slot. On the GPU slot ``s`` is named barrier
+  ``first_id + s`` counting the consumers' and the producer's threads; in
+  interpret mode it is ``mbarriers.at[s]`` (``num_arrivals=consumers``).
+  """
+
+  def __init__(self, num_slots: int, consumers: int, mbarriers=None,
+               first_id: int = FIRST_ID):
+    self.num_slots = num_slots
+    self.mbarriers = mbarriers
+    self.first_id = first_id
+    self.threads = (consumers + 1) * WARPGROUP_THREADS
+
+  def free(self, slot) -> None:
+    if self.mbarriers is not None:
+      plgpu.barrier_arrive(self.mbarriers.at[slot])
+    else:
+      named_arrive(self.first_id + slot, self.threads)
+
+  def wait(self, slot) -> None:
+    if self.mbarriers is not None:
+      plgpu.barrier_wait(self.mbarriers.at[slot])
+    else:
+      named_sync(self.first_id + slot, self.threads)
