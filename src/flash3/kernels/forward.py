@@ -737,10 +737,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                             plgpu.Layout.WGMMA)
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), reduced)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), reduced)
-    # Ping-pong: warpgroup 1 starts half a step behind warpgroup 0; per item
-    # every signal is waited for (sync.PingPong), so the persistent kernel
-    # starts every item with the two in the same state as a fresh CTA.
-    turns.start()
     lax.fori_loop(t_lo, w_lo, skip_step, None)
 
     @pl.when(w_lo < w_hi)
@@ -763,7 +759,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
       carry = lax.fori_loop(m2, w_hi, functools.partial(compute_step, masked=True), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
-    turns.finish()
     acc, m, l = carry
     if next_q is not None and separate_o:
       # Every QK^T of this item has completed (its scores were read), so the
@@ -874,7 +869,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
     def _compute():
       plgpu.set_max_registers(config.compute_registers, action="increase")
+      turns.start()
       compute_item(it, slot_of, load_q=True)
+      turns.finish()
 
     @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
     def _producer():
@@ -920,7 +917,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                            functools.partial(issue_q, item_index(step + 1))))
       return g + (it["t_hi"] - it["t_lo"])
 
+    # The turns run on across items: per item each warpgroup signals and
+    # waits once per tile, so a start and a finish per item would let
+    # warpgroup 0 signal twice in a row (its finish, then its next item's
+    # first tile) before warpgroup 1 waits: a named barrier would then
+    # complete on warpgroup 0's arrivals alone (seen as hangs on an H200).
+    turns.start()
     lax.fori_loop(0, n_local, item, jnp.int32(0))
+    turns.finish()
     common.wait_final_stores()
 
   @pl.when(wg == NUM_COMPUTE_WARPGROUPS)

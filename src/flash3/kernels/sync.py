@@ -76,8 +76,10 @@ class PingPong:
   Per step each warpgroup calls ``signal()`` once (after issuing its
   matmuls) and ``wait()`` once (before issuing the next ones). Warpgroup 1
   starts with one extra ``wait()`` (``start``) and warpgroup 0 ends with one
-  extra ``signal()`` (``finish``), so every signal is waited for and an item
-  of the persistent kernel starts in the state a fresh CTA has.
+  extra ``signal()`` (``finish``), once per CTA (not per item of the
+  persistent kernel), so every signal is waited for before the next one on
+  the same barrier: a hardware barrier counts arrivals, and two signals in a
+  row would complete it without the waiter.
 
   Args:
     wg: this warpgroup's index (0 or 1), traced.
