@@ -97,6 +97,31 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
     ForwardConfig(**{field: value})
 
 
+def test_config_named_barriers_field():
+  with pytest.raises(ValueError, match="named_barriers"):
+    ForwardConfig(named_barriers=1)
+  # Two hardware barriers per ring slot, two for the turns, ids 4..15.
+  with pytest.raises(ValueError, match="num_stages <= 5"):
+    ForwardConfig(num_stages=6)
+  assert ForwardConfig(num_stages=6, named_barriers=False).num_stages == 6
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_named_barriers_reach_the_gpu_lowering(persistent):
+  """named_barriers puts bar.arrive / bar.sync in the CUDA lowering (and
+  nothing else does); interpret mode runs the same protocol on mbarriers."""
+  q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+  texts = {}
+  for named in (True, False):
+    config = ForwardConfig(named_barriers=named, persistent=persistent, num_sms=2)
+    f = lambda q, k, v, c=config: attention_forward(q, k, v, scale=0.1,
+                                                      mask=CAUSAL_BR, config=c)
+    texts[named] = jax.jit(f).trace(q, q, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "bar.arrive" in texts[True]
+  assert "bar.arrive" not in texts[False]
+
+
 def test_config_rejects_too_many_registers():
   with pytest.raises(ValueError, match="65536"):
     ForwardConfig(compute_registers=256, producer_registers=248)

@@ -62,14 +62,6 @@ def named_sync(barrier_id, num_threads: int) -> None:
   _bar("sync", barrier_id, num_threads)
 
 
-def check_ids(count: int, what: str) -> None:
-  """ValueError if ``count`` named barriers from FIRST_ID do not fit in the CTA's 16."""
-  if FIRST_ID + count > NUM_IDS:
-    raise ValueError(
-        f"{what} needs {count} hardware named barriers; ids {FIRST_ID}.."
-        f"{NUM_IDS - 1} leave room for {NUM_IDS - FIRST_ID}")
-
-
 class PingPong:
   """The compute warpgroups' turns on the tensor cores (FA3 section 3.1).
 
