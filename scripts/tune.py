@@ -134,6 +134,7 @@ def _vary_candidates(what, D, T, causal, window, vary):
   """The default config for this shape with every combination of ``vary``
   ({field: [values]}) applied: an A/B of config fields at the defaults."""
   from flash3.kernels.backward import BackwardConfig
+  from flash3.kernels.config import check_fits
   from flash3.kernels.forward import default_config
   from flash3.visibility import MaskSpec
   mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=window,
@@ -148,23 +149,29 @@ def _vary_candidates(what, D, T, causal, window, vary):
     except ValueError as e:
       print(f"skipped {dict(zip(names, values))}: {e}", flush=True)
       continue
+    try:  # Only configs that fit shared memory.
+      check_fits(c, D, 2) if what == "fwd" else c.check_fits(D, 2)
+    except ValueError as e:
+      print(f"skipped {c}: {e}", flush=True)
+      continue
     if c not in out:
       out.append(c)
   return out
 
 
-def _parse_vary(items):
+def _parse_vary(items, what="fwd"):
   """["named_barriers=0,1", "num_stages=2,3"] -> {field: [values]} (ints;
-  0 / 1 become bools for bool fields of the default config)."""
+  0 / 1 become bools for bool fields) for the config class of ``what``."""
   from flash3.kernels.backward import BackwardConfig
   from flash3.kernels.config import ForwardConfig
-  fields = {f.name: f for cls in (ForwardConfig, BackwardConfig)
-            for f in dataclasses.fields(cls)}
+  cls = ForwardConfig if what == "fwd" else BackwardConfig
+  fields = {f.name: f for f in dataclasses.fields(cls)}
   vary = {}
   for item in items:
     name, _, vals = item.partition("=")
     if name not in fields or not vals:
-      raise SystemExit(f"--vary {item!r}: expected FIELD=V1,V2 with a config field")
+      raise SystemExit(f"--vary {item!r}: expected FIELD=V1,V2 with a field of "
+                       f"{cls.__name__}")
     conv = (lambda x: bool(int(x))) if fields[name].type in ("bool", bool) else int
     vary[name] = [conv(v) for v in vals.split(",")]
   return vary
@@ -303,7 +310,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
   tasks = []
-  vary = _parse_vary(args.vary) if args.vary else None
+  vary = _parse_vary(args.vary, args.what) if args.vary else None
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
     if vary is not None:
       cands = _vary_candidates(args.what, D, T, bool(causal), args.window, vary)

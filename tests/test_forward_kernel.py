@@ -100,10 +100,9 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 def test_config_named_barriers_field():
   with pytest.raises(ValueError, match="named_barriers"):
     ForwardConfig(named_barriers=1)
-  # Two hardware barriers per ring slot, two for the turns, ids 4..15.
-  with pytest.raises(ValueError, match="num_stages <= 5"):
-    ForwardConfig(num_stages=6)
-  assert ForwardConfig(num_stages=6, named_barriers=False).num_stages == 6
+  # Two hardware barriers per ring slot, two for the turns, ids 4..15: a
+  # deeper ring keeps mbarriers (checked in the lowering below).
+  assert ForwardConfig(num_stages=6).num_stages == 6
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -118,8 +117,36 @@ def test_named_barriers_reach_the_gpu_lowering(persistent):
                                                       mask=CAUSAL_BR, config=c)
     texts[named] = jax.jit(f).trace(q, q, q).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert "bar.arrive" in texts[True]
+  assert "bar.arrive $0, 256;" in texts[True]   # the turns
+  assert "bar.sync $0, 384;" in texts[True]     # the producer's release waits
+  assert "mbarrier.arrive.release" not in texts[True]
   assert "bar.arrive" not in texts[False]
+  assert "mbarrier.arrive.release" in texts[False]
+
+
+def test_deep_ring_keeps_mbarriers_in_the_gpu_lowering():
+  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 64 * 8, 1, 64), jnp.bfloat16)
+  f = lambda q, k, v: attention_forward(
+      q, k, v, scale=0.1, mask=NO_MASK, config=ForwardConfig(block_kv=64, num_stages=6))
+  text = jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert "bar.arrive" not in text and "mbarrier.arrive.release" in text
+
+
+def test_overlap_softmax_keeps_its_wgmma_in_flight_on_the_gpu():
+  """The overlapped branch (S_t and the previous P @ V issued together, only
+  S_t waited for) is what the GPU lowering compiles; until the seventh
+  session's review the GPU path took the interpret-mode sequential branch."""
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 512, 1, 64), jnp.bfloat16)
+  texts = {}
+  for overlap in (False, True):
+    cfg = ForwardConfig(block_kv=64, overlap_softmax=overlap)
+    f = lambda q, k, v, c=cfg: attention_forward(q, k, v, scale=0.1, mask=NO_MASK, config=c)
+    texts[overlap] = jax.jit(f).trace(q, k, k).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "wgmma.wait_group.sync.aligned 1" in texts[True]
+  assert "wgmma.wait_group.sync.aligned 1" not in texts[False]
 
 
 def test_config_rejects_too_many_registers():

@@ -1,5 +1,6 @@
 """scripts/tune.py, the config sweep tool: its --vary A/B (CPU, fast)."""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -25,18 +26,26 @@ def test_tune_vary_applies_fields_to_the_default_config():
   tune = _tune_module()
   vary = tune._parse_vary(["named_barriers=0,1", "num_stages=2,3"])
   assert vary == {"named_barriers": [False, True], "num_stages": [2, 3]}
-  cands = tune._vary_candidates("fwd", 128, 4096, True, None, vary)
-  base = default_config(128, "bfloat16", MaskSpec(causal=True, alignment="bottom_right"),
+  cands = tune._vary_candidates("fwd", 64, 4096, True, None, vary)
+  base = default_config(64, "bfloat16", MaskSpec(causal=True, alignment="bottom_right"),
                         4096, 4096)
-  assert len(cands) == 4
-  assert {(c.named_barriers, c.num_stages) for c in cands} == {
-      (False, 2), (False, 3), (True, 2), (True, 3)}
-  # Every other field is the default's.
-  assert all(c.reverse_q_tiles == base.reverse_q_tiles and c.block_kv == base.block_kv
-             for c in cands)
+  assert cands == [dataclasses.replace(base, named_barriers=n, num_stages=s)
+                   for n in (False, True) for s in (2, 3)]
+  # Configs that do not fit shared memory are left out (D=256, 4 stages).
+  assert tune._vary_candidates("fwd", 256, 4096, False, None,
+                               tune._parse_vary(["num_stages=2,4"])) == [
+      dataclasses.replace(default_config(256, "bfloat16", MaskSpec(), 4096, 4096),
+                          num_stages=2)]
 
 
 def test_tune_vary_rejects_unknown_fields():
   tune = _tune_module()
   with pytest.raises(SystemExit, match="no_such_field"):
     tune._parse_vary(["no_such_field=1,2"])
+  # A backward field for the forward, and the other way round.
+  with pytest.raises(SystemExit, match="ForwardConfig"):
+    tune._parse_vary(["split_dkv=0,1"], "fwd")
+  with pytest.raises(SystemExit, match="BackwardConfig"):
+    tune._parse_vary(["named_barriers=0,1"], "bwd")
+  assert tune._parse_vary(["overlap_matmuls=0,1"], "bwd") == {
+      "overlap_matmuls": [False, True]}

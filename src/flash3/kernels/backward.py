@@ -139,6 +139,14 @@ class BackwardConfig:
       Its GPU tests passed on an H200 (2026-12-01, sixth session); the
       heuristic takes it for deterministic=False at head_dim 128 without a
       causal mask or window.
+    overlap_matmuls: GPU path only, opt-in, NOT yet run on a GPU (written in
+      the seventh session after its device time was spent): issue the two
+      score-shaped matmuls of a tile (s = q k^T and dp = do v^T; in the dk/dv
+      kernel their transposes) back to back and compute p while dp's runs,
+      then issue dv += pT do and compute dsT while it runs before dk += dsT q
+      (FlashAttention-3's backward order; two wgmma waits per tile instead of
+      three or four). Needs both dk and dv in one launch (split_dkv off) for
+      the dk/dv kernel's second pair. Interpret mode runs the plain order.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -156,6 +164,7 @@ class BackwardConfig:
   reverse_q_tiles: bool = False
   deterministic: bool = True
   share_dq: bool = False
+  overlap_matmuls: bool = False
   compute_registers: int = 232
   producer_registers: int = 40
 
@@ -167,7 +176,7 @@ class BackwardConfig:
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
     check_registers(self.compute_registers, self.producer_registers)
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
-                 "share_dq"):
+                 "share_dq", "overlap_matmuls"):
       check_bool(name, getattr(self, name))
     if self.share_dq and (self.deterministic or self.compute_wgs_dkv != 2):
       raise ValueError(
@@ -369,6 +378,12 @@ def _probabilities(s, lse2, *, scale: float, softcap: float | None):
   return jnp.exp2(th * (softcap * common.LOG2_E) - lse2), th
 
 
+def _score_like(shape, softcap):
+  """Initial values shaped like ``_probabilities``' results (run_state outputs)."""
+  zeros = lambda: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+  return zeros(), (None if softcap is None else zeros())
+
+
 def _through_softcap(ds, th):
   """d/ds of c tanh(s / c) is 1 - tanh^2: the chain rule through the soft cap."""
   return ds if th is None else ds * (1.0 - th * th)
@@ -426,6 +441,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   wgs, stages = config.compute_wgs_dq, config.num_stages
   bq, bk = config.block_q_dq, config.block_kv_dq
   staged = not common.uses_register_operands(interpret)
+  overlap = config.overlap_matmuls and not staged
   num_q_tiles = pl.cdiv(q_len, wgs * bq)
   extra = ((*lengths,) if lengths is not None else ()) + (
       (*segments,) if segments is not None else ())
@@ -487,13 +503,12 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         slot = slot_of(t)
         k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
         plgpu.barrier_wait(k_bars.at[slot])
-        s = common.matmul_smem(q_smem, k_smem.transpose((1, 0)), (bq, bk))
-        p, th = _probabilities(s, lax.broadcast_in_dim(lse2_row, s.shape, [0]),
-                               scale=scale, softcap=softcap)
+        shape = (bq, bk)
+        keep = None
         if masked:
-          q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
+          q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
-          k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, s.shape, 1,
+          k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                   layout=plgpu.Layout.WGMMA)
           keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kl)
           if lens is not None:
@@ -501,11 +516,25 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           if seg_refs is not None:
             k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
                                layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-            keep = keep & (lax.broadcast_in_dim(q_seg, s.shape, [0])
-                           == lax.broadcast_in_dim(k_seg, s.shape, [1]))
-          p = jnp.where(keep, p, 0.0)
-        plgpu.barrier_wait(v_bars.at[slot])
-        dp = common.matmul_smem(do_smem, v_smem.transpose((1, 0)), (bq, bk))
+            keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0])
+                           == lax.broadcast_in_dim(k_seg, shape, [1]))
+
+        def probabilities(s):
+          p, th = _probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
+                                 scale=scale, softcap=softcap)
+          return (p if keep is None else jnp.where(keep, p, 0.0)), th
+
+        if overlap:  # GPU: s and dp issued together, p formed while dp runs.
+          plgpu.barrier_wait(v_bars.at[slot])
+          (p, th), dp = common.matmul_pair_first_then(
+              (q_smem, k_smem.transpose((1, 0)), shape),
+              (do_smem, v_smem.transpose((1, 0)), shape), probabilities,
+              _score_like(shape, softcap))
+        else:
+          p, th = probabilities(common.matmul_smem(
+              q_smem, k_smem.transpose((1, 0)), shape))
+          plgpu.barrier_wait(v_bars.at[slot])
+          dp = common.matmul_smem(do_smem, v_smem.transpose((1, 0)), shape)
         ds = _through_softcap(
             p * (dp - lax.broadcast_in_dim(delta_row, dp.shape, [0])), th)
         if masked:  # Select, so NaN/inf in masked V rows cannot leak.
@@ -619,6 +648,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staged = not common.uses_register_operands(interpret)
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  overlap = config.overlap_matmuls and not staged and want_dk and want_dv
   # config.share_dq: warpgroup w forms columns [w * half, (w + 1) * half) of
   # each query tile's dq from every warpgroup's dsT (double-buffered by step
   # parity in ds_smem2[parity * wgs + warpgroup]).
@@ -720,23 +750,59 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         q_smem, do_smem = q_ring.at[slot], do_ring.at[slot]
         plgpu.barrier_wait(q_bars.at[slot])
         plgpu.barrier_wait(lse_bars.at[slot])
-        sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), (bk, bq))
-        lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
-        pT, th = _probabilities(sT, lax.broadcast_in_dim(lse2_col, sT.shape, [1]),
-                                scale=scale, softcap=softcap)
+        shape = (bk, bq)
+        keep = None
         if masked:
-          k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, sT.shape, 0,
+          k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                 layout=plgpu.Layout.WGMMA)
-          q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, sT.shape, 1,
+          q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                   layout=plgpu.Layout.WGMMA)
           keep = (mask.visible(q_ids, k_ids, shift) & (q_ids < ql)
                   & (k_ids < kl))
           if seg_refs is not None:
             q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(t * bq, bq)], layout=col,
                                optimized=False)
-            keep = keep & (lax.broadcast_in_dim(k_seg, sT.shape, [0])
-                           == lax.broadcast_in_dim(q_seg, sT.shape, [1]))
-          pT = jnp.where(keep, pT, 0.0)
+            keep = keep & (lax.broadcast_in_dim(k_seg, shape, [0])
+                           == lax.broadcast_in_dim(q_seg, shape, [1]))
+        lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
+
+        def probabilities(sT):
+          pT, th = _probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
+                                  scale=scale, softcap=softcap)
+          return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
+
+        def ds_of(pT, dpT, th):
+          delta_col = plgpu.load(delta_ring.at[slot], layout=col)
+          dsT = _through_softcap(
+              pT * (dpT - lax.broadcast_in_dim(delta_col, shape, [1])), th)
+          # Select, so NaN/inf in masked rows cannot leak.
+          return dsT if keep is None else jnp.where(keep, dsT, 0.0)
+
+        if overlap:
+          # GPU, FlashAttention-3's order: sT and dpT issued together, pT
+          # formed while dpT runs; dv += pT do issued, dsT formed while it
+          # runs, then dk += dsT q; the slot is read until the last wait.
+          plgpu.barrier_wait(do_bars.at[slot])
+          plgpu.barrier_wait(delta_bars.at[slot])
+          (pT, th), dpT = common.matmul_pair_first_then(
+              (k_smem, q_smem.transpose((1, 0)), shape),
+              (v_smem, do_smem.transpose((1, 0)), shape), probabilities,
+              _score_like(shape, softcap))
+          dv, dk, dsT16 = common.accumulate_pair(
+              dv, pT.astype(dtype), do_smem, dk,
+              lambda: ds_of(pT, dpT, th).astype(dtype), q_smem)
+          plgpu.barrier_arrive(consumed.at[slot])
+          if share:
+            share_dq_tile(dsT16, head_base + t - cta_lo,
+                          (b, pl.ds(t * bq, bq), kv_head * group + g))
+          elif dq_mode is not None:
+            _add_dq_tile(dsT16, ds_smem2.at[wg], dq_stage2.at[wg], k_smem,
+                         (b, pl.ds(t * bq, bq), kv_head * group + g),
+                         dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
+                         slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+          return dk, dv
+        sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), shape)
+        pT, th = probabilities(sT)
         plgpu.barrier_wait(do_bars.at[slot])
         plgpu.barrier_wait(delta_bars.at[slot])
         fused = config.fuse_matmuls and want_dk and want_dv and not staged
@@ -755,11 +821,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
             dpT = common.matmul_smem(v_smem, do_smem.transpose((1, 0)), (bk, bq))
           if release_early:
             plgpu.barrier_arrive(consumed.at[slot])
-          delta_col = plgpu.load(delta_ring.at[slot], layout=col)
-          dsT = _through_softcap(
-              pT * (dpT - lax.broadcast_in_dim(delta_col, dpT.shape, [1])), th)
-          if masked:  # Select, so NaN/inf in masked rows cannot leak.
-            dsT = jnp.where(keep, dsT, 0.0)
+          dsT = ds_of(pT, dpT, th)
           dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
                                               staging=staging)
         if not (release_early and want_dk):

@@ -182,3 +182,59 @@ def matmul_smem_sum(pairs, shape: tuple[int, int]) -> jax.Array:
       plgpu.wgmma(acc_ref, a_ref, b_ref)
     return acc_ref[...]
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def matmul_pair_first_then(first, second, then: Callable[[jax.Array], Any],
+                           out_like: Any) -> tuple[Any, jax.Array]:
+  """Two smem wgmmas issued back to back; ``then`` runs on the first's result
+  while the second is still in flight (FlashAttention-3's backward overlaps
+  the softmax of S with the dP matmul this way).
+
+  Args:
+    first, second: ``(a_ref, b_ref, (M, N))``, both operands in shared memory.
+    then: maps the first product (float32, WGMMA layout) to a pytree of
+      arrays shaped like ``out_like``.
+    out_like: initial values of ``then``'s outputs (their shapes, dtypes and
+      layouts; the values are overwritten).
+
+  Returns:
+    (``then``'s outputs, the second product). GPU path only: the interpreter
+    lacks accumulator loads with ``wait_n`` (see the module docstring).
+  """
+  (a1, b1, shape1), (a2, b2, shape2) = first, second
+
+  def body(refs):
+    acc1, acc2, out = refs
+    plgpu.wgmma(acc1, a1, b1)
+    plgpu.wgmma(acc2, a2, b2)
+    x1 = plgpu.wgmma_accumulator_load(acc1, wait_n=1)  # The first only.
+    jax.tree.map(lambda ref, value: ref.__setitem__(Ellipsis, value), out, then(x1))
+
+  zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
+                                          plgpu.Layout.WGMMA)
+  # Leaving run_state waits for the second wgmma too.
+  _, x2, out = pl.run_state(body)(
+      (plgpu.ACC.init(zeros(shape1)), plgpu.ACC.init(zeros(shape2)), out_like))
+  return out, x2
+
+
+def accumulate_pair(acc1: jax.Array, a1: jax.Array, b1_ref, acc2: jax.Array,
+                    make_a2: Callable[[], jax.Array], b2_ref
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``acc1 + a1 @ b1_ref`` and ``acc2 + a2 @ b2_ref``, ``a2 = make_a2()``
+  computed while the first wgmma runs; one wait for both at the end.
+
+  ``a1`` and ``a2`` are register operands (input dtype, WGMMA layout); they
+  must not change while their wgmma runs, which holds as both are values.
+  Returns (acc1, acc2, a2). GPU path only, as ``matmul_pair_first_then``.
+  """
+  def body(refs):
+    r1, r2, a2_ref = refs
+    plgpu.wgmma(r1, a1, b1_ref)
+    a2 = make_a2()
+    a2_ref[...] = a2
+    plgpu.wgmma(r2, a2, b2_ref)
+
+  a2_like = plgpu.layout_cast(jnp.zeros(a1.shape[:1] + (b2_ref.shape[0],), a1.dtype),
+                              plgpu.Layout.WGMMA)
+  return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2), a2_like))

@@ -97,16 +97,18 @@ class ForwardConfig:
     overlap_softmax: overlap each tile's softmax with the previous tile's
       P @ V in the same warpgroup (FlashAttention-3, Section 3.2), on top of
       the two warpgroups' ping-pong; P then goes through shared memory (one
-      (64, block_kv) tile per warpgroup); needs num_stages >= 2. Its GPU
-      tests pass, but on the H200 it was 11-15% slower than without it at
-      D=128 (and 35% slower with P kept in registers, which was tried and
-      dropped; docs/benchmarks/h200/2026-12-01-s6/tune.md), so it is off by
-      default and kept for experiments.
+      (64, block_kv) tile per warpgroup); needs num_stages >= 2. Off by
+      default, for experiments. Its sixth-session H200 figure (11-15% slower
+      than without, docs/benchmarks/h200/2026-12-01-s6/tune.md) measured,
+      as a review found in the seventh session, the interpret-mode
+      sequential order: the GPU path never compiled the overlapped branch.
+      Fixed since (a CUDA-lowering test checks it); the overlapped branch
+      has not yet run on a GPU. Keeping P in registers was 35% slower.
     named_barriers: on the GPU, hand the ping-pong turns and the ring's
       releases over with hardware named barriers (``bar.arrive`` /
       ``bar.sync``, kernels/sync.py) instead of mbarriers; interpret mode
-      always uses mbarriers (same protocol). Needs num_stages <= 5 (16
-      hardware barriers per CTA).
+      always uses mbarriers (same protocol), and so does a ring of more than
+      ``MAX_NAMED_STAGES`` (5) slots: a CTA has 16 hardware barriers.
   """
 
   block_q: int = 64
@@ -129,13 +131,10 @@ class ForwardConfig:
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
     check_bool("named_barriers", self.named_barriers)
-    if self.named_barriers and self.num_stages > MAX_NAMED_STAGES:
-      raise ValueError(
-          f"named_barriers=True needs num_stages <= {MAX_NAMED_STAGES} (two "
-          f"hardware barriers per ring slot); got num_stages={self.num_stages}")
     if self.overlap_softmax and self.num_stages < 2:
-      # One slot: V_{t-1} is released only after step t's syncs with the other
-      # warpgroup, which may be waiting for that slot's next tile: deadlock.
+      # One slot: V_{t-1} is released only after step t's wait for its turn,
+      # which the other warpgroup may give only once that slot's next tile
+      # has loaded: deadlock.
       raise ValueError(f"overlap_softmax=True needs num_stages >= 2; got "
                        f"num_stages={self.num_stages}")
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)

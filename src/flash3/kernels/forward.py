@@ -13,10 +13,8 @@ the other warpgroup's turn and, after its softmax, waits for its own turn
 before the next matmuls; consumers release ring slots to the producer. On the
 GPU both run on hardware named barriers (``bar.arrive`` / ``bar.sync``,
 ``ForwardConfig.named_barriers``, the default), in interpret mode on
-mbarriers with the same arrivals and waits. H200, bf16, against cuDNN in the
-same run (seventh session, docs/benchmarks/h200/2026-12-01-s7/tune.md): the
-one-way hand-off on mbarriers was 0.937 of cuDNN (geometric mean of 18
-shapes), on named barriers 0.948; causal D=128 T=4096 gained 11%.
+mbarriers with the same arrivals and waits (H200 A/B of the two, seventh
+session: docs/benchmarks/h200/2026-12-01-s7/tune.md).
 
 One CTA covers ``2 * block_q`` query rows of one (batch, head); compute
 warpgroup ``w`` owns rows ``[q0 + w * block_q, q0 + (w + 1) * block_q)``. The
@@ -63,8 +61,8 @@ q loads during the epilogue (else after the o store has read the q tile).
 Each item runs the same instructions as in the grid kernel, so the results
 are bitwise equal. Every mask and option is supported.
 
-``ForwardConfig(overlap_softmax=True)`` (opt-in; 11-15% slower on an H200)
-also overlaps, within each compute warpgroup, tile t's softmax with tile
+``ForwardConfig(overlap_softmax=True)`` (opt-in; its overlapped branch has
+not yet run on a GPU, see the config's docstring) also overlaps, within each compute warpgroup, tile t's softmax with tile
 t-1's P @ V (FlashAttention-3, Section 3.2): S_t = Q K_t^T and the previous
 P @ V are issued together and only S_t is waited for; P goes to P @ V
 through shared memory, since a wgmma's register operand must not change
@@ -89,7 +87,8 @@ import jax.numpy as jnp
 
 from flash3 import _device
 from flash3.kernels import common, schedule, sync
-from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS, ForwardConfig,
+from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
+                                   ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
 from flash3.visibility import MaskSpec, keys_in_reach
@@ -372,7 +371,10 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
   lse_len = num_q_ctas * cta_rows
   transforms = common.smem_swizzle_transforms(D, dtype.itemsize)
   staging = not common.uses_register_operands(interpret)
-  named = config.named_barriers and not staging
+  # More ring slots than hardware barriers: the releases (and turns) stay
+  # on mbarriers (ForwardConfig.named_barriers).
+  named = (config.named_barriers and not staging
+           and stages <= MAX_NAMED_STAGES)
 
   body = functools.partial(
       _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
@@ -380,7 +382,7 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       config=config, num_q_ctas=num_q_ctas, has_lengths=lengths is not None,
       has_sinks=sinks is not None, has_segments=segments is not None,
       softcap=softcap, drain=drain, num_heads=N, batch_size=B,
-      separate_o=separate_o, named=named)
+      separate_o=separate_o, named=named, staging=staging)
   extra_inputs = ((*lengths,) if lengths is not None else ()) + (
       (sinks,) if sinks is not None else ())
   if segments is not None:
@@ -467,7 +469,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  dtype, config, num_q_ctas, has_lengths, has_sinks,
                  has_segments, softcap, drain=True, num_heads=None,
                  batch_size=None, num_ctas=None, separate_o=False,
-                 named=False):
+                 named=False, staging=False):
   """One CTA: one work item (the grid), or a loop over items (``config.persistent``).
 
   A work item is (head, query CTA tile, batch). The persistent kernel
@@ -475,8 +477,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   the schedule table (the last extra input). The K/V
   ring runs on across items: ``g``, the count of tiles this CTA has streamed
   before the item, places the item's first tile in slot ``g % stages``, and
-  the mbarriers track their own phases, so each barrier sees one arrival and
-  one wait per tile whatever item the tile belongs to.
+  each barrier sees one arrival and one wait per tile whatever item the tile
+  belongs to; the ping-pong turns run on across items too.
   """
   wg = lax.axis_index(common.WG_AXIS)
   extra_refs = list(extra_refs)
@@ -491,7 +493,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   turns = sync.PingPong(wg, None if named else smem["schedule"])
   first = sync.FIRST_ID + sync.PingPong.IDS
   release = {
-      name: sync.Release(stages, NUM_COMPUTE_WARPGROUPS,
+      name: sync.Release(NUM_COMPUTE_WARPGROUPS,
                          None if named else smem[f"{name}_free"],
                          first_id=first + i * stages)
       for i, name in enumerate(("k", "v"))}
@@ -542,7 +544,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     if has_segments:
       q_ids_ref, kv_ids_ref, seg_ref = seg_refs
     q_smem = smem["qo"].at[wg]
-    p_stage = smem["p"].at[wg] if "p" in smem else None
+    # Interpret mode stages P through smem for every P @ V; the GPU path only
+    # for overlap_softmax, whose own branch below keeps its wgmmas in flight.
+    p_stage = smem["p"].at[wg] if staging else None
     q_lo = it["cta_q_lo"] + wg * block_q
     q_hi = jnp.minimum(q_lo + block_q, Tq)
     if load_q:
@@ -656,7 +660,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # softmax while the second matmul is in flight; P goes to P @ V through
     # this warpgroup's shared-memory tile (a register operand must not change
     # while its wgmma runs). first_step makes P of the first tile, last_pv
-    # adds the last P @ V. Syncs per tile: 2, as in compute_step.
+    # adds the last P @ V. Per tile one signal and one wait for the turn, as
+    # in compute_step.
     p_tile = smem["p"].at[wg] if config.overlap_softmax else None
 
     def softmax_to_p(s, t, m, l, *, masked: bool):

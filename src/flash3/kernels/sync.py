@@ -1,7 +1,7 @@
 """Synchronisation between the warpgroups of a CTA: hardware named barriers
 on the GPU, mbarriers in GPU interpret mode, one protocol for both.
 
-Two uses (FlashAttention-3, Shah et al. 2024, sections 3.1 and 3.2):
+Two uses (FlashAttention-3, Shah et al. 2024, section 3.1):
 
 * ``PingPong``: the two compute warpgroups take turns on the tensor cores.
   A warpgroup issues its matmuls, then ``signal()``s the other one's turn,
@@ -14,9 +14,10 @@ Why named barriers on the GPU: a Mosaic GPU mbarrier arrival is made by every
 thread of a warpgroup (128 shared-memory atomics) and a wait spins on
 ``mbarrier.try_wait``; ``bar.arrive`` / ``bar.sync`` on one of the CTA's 16
 hardware barriers is one instruction per warp (tokamax's sm90 attention does
-the same). The interpreter cannot run PTX, so interpret mode keeps mbarriers
-with exactly the same arrive / wait pattern, and its race detector checks
-that pattern.
+the same). Interpret mode keeps mbarriers with exactly the same arrive /
+wait pattern; tests/test_forward_sync.py checks the pattern in each
+warpgroup's program order (the interpreter's own phase checks catch a
+double signal only when the threads happen to interleave badly).
 
 Barrier ids: Mosaic GPU uses id 0 (``gpu.barrier``) and ids 1..3 (one per
 warpgroup, ``utils.warpgroup_barrier``), so ours start at ``FIRST_ID``.
@@ -24,27 +25,21 @@ warpgroup, ``utils.warpgroup_barrier``), so ours start at ``FIRST_ID``.
 
 from __future__ import annotations
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 
 WARPGROUP_THREADS = 128
+# Mosaic GPU's warpgroup barriers are ids 1..(warpgroups), for our kernels'
+# three warpgroups 1..3.
 FIRST_ID = 4
 NUM_IDS = 16  # Hardware named barriers per CTA on sm90.
 
 
 def _bar(op: str, barrier_id, num_threads: int) -> None:
-  """``bar.<op> barrier_id, num_threads`` from every thread of the warpgroup."""
-  if isinstance(barrier_id, int):
-    @plgpu.inline_mgpu()
-    def emit(_):
-      mgpu.utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};",
-                            has_side_effects=True, convergent=True)
-    emit()
-    return
-
+  """``bar.<op> barrier_id, num_threads`` from every thread of the warpgroup
+  (the id is a traced int32: the warpgroup's or the ring slot's)."""
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
   def emit_dynamic(_, bid):
     mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()],
@@ -121,9 +116,7 @@ class Release:
   interpret mode it is ``mbarriers.at[s]`` (``num_arrivals=consumers``).
   """
 
-  def __init__(self, num_slots: int, consumers: int, mbarriers=None,
-               first_id: int = FIRST_ID):
-    self.num_slots = num_slots
+  def __init__(self, consumers: int, mbarriers=None, first_id: int = FIRST_ID):
     self.mbarriers = mbarriers
     self.first_id = first_id
     self.threads = (consumers + 1) * WARPGROUP_THREADS

@@ -1,0 +1,93 @@
+"""The forward's ping-pong hand-off, checked in each warpgroup's program order.
+
+A hardware named barrier counts arrivals, so a warpgroup must never signal
+twice before the other warpgroup's matching wait. The interpreter's phase
+checks see that only if the threads happen to interleave badly; this checks
+the sufficient, interleaving-free invariant instead: per CTA, warpgroup 0's
+turn operations are S W S ... W S and warpgroup 1's W S W ... S W.
+"""
+import collections
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import shared_memory as shm
+
+from flash3.kernels.config import ForwardConfig
+from flash3.kernels.forward import attention_forward
+from flash3.visibility import MaskSpec
+
+
+@pytest.fixture
+def barrier_log(monkeypatch):
+  log, lock, serial = [], threading.Lock(), [0]
+  init, arrive, wait = shm.Barrier.__init__, shm.Barrier.arrive, shm.Barrier.wait
+
+  def my_init(self, *a, **k):
+    init(self, *a, **k)
+    with lock:
+      self._serial, serial[0] = serial[0], serial[0] + 1
+
+  def who(t):
+    return None if t is None else (int(t.block_id), int(t.warpgroup_id))
+
+  def my_arrive(self, thread, *a, **k):
+    with lock:
+      log.append((self._serial, "S", who(thread)))
+    return arrive(self, thread, *a, **k)
+
+  def my_wait(self, thread, *a, **k):
+    out = wait(self, thread, *a, **k)
+    with lock:
+      log.append((self._serial, "W", who(thread)))
+    return out
+
+  monkeypatch.setattr(shm.Barrier, "__init__", my_init)
+  monkeypatch.setattr(shm.Barrier, "arrive", my_arrive)
+  monkeypatch.setattr(shm.Barrier, "wait", my_wait)
+  return log
+
+
+def _turn_sequences(log):
+  """{(cta, wg): "SWSW..."} over the turn barriers: arrived at only by one
+  compute warpgroup and waited on only by the other."""
+  arrivers, waiters = collections.defaultdict(set), collections.defaultdict(set)
+  for b, op, t in log:
+    if t is not None:
+      (arrivers if op == "S" else waiters)[b].add(t[1])
+  turn = sorted(b for b, a in arrivers.items()
+                if len(a) == 1 and a <= {0, 1} and waiters[b] == {1 - min(a)})
+  cta = {b: i // 2 for i, b in enumerate(turn)}  # Allocated in pairs.
+  seqs = collections.defaultdict(str)
+  for b, op, t in log:
+    if b in cta and t is not None:
+      seqs[(cta[b], t[1])] += op
+  return seqs
+
+
+CBR = MaskSpec(causal=True, alignment="bottom_right")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("shape,mask,config", [
+    ((1, 256, 256, 2, 1), CBR, dict()),
+    ((1, 330, 333, 2, 1), CBR, dict(persistent=True, num_sms=3)),
+    ((1, 330, 333, 2, 1), CBR, dict(persistent=True, num_sms=2, overlap_softmax=True)),
+    ((2, 64, 200, 2, 2), MaskSpec(), dict(persistent=True, num_sms=2, num_stages=1)),
+    ((1, 384, 100, 2, 1), MaskSpec(window_left=0, window_right=0),
+     dict(persistent=True, num_sms=2)),
+], ids=["grid-causal", "persistent", "persistent-overlap", "persistent-1-stage",
+        "persistent-empty-items"])
+def test_ping_pong_alternates_in_program_order(barrier_log, shape, mask, config):
+  B, Tq, Tk, N, K = shape
+  q = jnp.zeros((B, Tq, N, 64), jnp.bfloat16)
+  k = jnp.zeros((B, Tk, K, 64), jnp.bfloat16)
+  o, _ = attention_forward(q, k, k, scale=0.125, mask=mask, interpret=True,
+                           config=ForwardConfig(block_kv=64, **config))
+  o.block_until_ready()
+  seqs = _turn_sequences(barrier_log)
+  assert seqs
+  for (cta, wg), s in seqs.items():
+    want = "SW" * (len(s) // 2) + "S" if wg == 0 else "WS" * (len(s) // 2) + "W"
+    assert s == want, (cta, wg, s)
