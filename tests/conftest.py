@@ -8,6 +8,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=4").strip()
 
+# GPU interpret mode runs each warpgroup as a thread whose barrier waits block
+# inside io_callbacks, and the interpreter dispatches small JAX computations
+# from those callbacks. With async dispatch those wait for a thread of the CPU
+# client's pool, which the blocked callbacks can all hold on a small machine:
+# on this project's 2-core CI machine tests/test_mosaic_path.py's E07 backward
+# hung that way twice (every thread idle; py-spy showed the interpreter's
+# `jnp.int32(i)` waiting in apply_primitive). Inline dispatch needs no pool.
+# (A flag, not an environment variable; set before the CPU backend starts.)
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 import pytest  # noqa: E402
 
 from flash3._device import hopper_device_kind  # noqa: E402
