@@ -5,10 +5,12 @@ demo:
 	bash scripts/demo.sh
 
 # Without a GPU the tests (interpret-mode kernels, mostly) spread over every CPU
-# core with pytest-xdist; with one they run in one process (GPU memory).
+# core with pytest-xdist; with one they run in one process (GPU memory). A test
+# still running after 20 minutes has hung: pytest-timeout fails
+# it with every thread's stack instead of letting the run hang.
 test:
 	FLASH3_EXTRAS=test,bench,examples$$(nvidia-smi -L >/dev/null 2>&1 && echo ,cuda) bash scripts/env.sh
-	.venv/bin/python -m pytest -q -p no:cacheprovider $$(nvidia-smi -L >/dev/null 2>&1 || echo --numprocesses=auto) tests
+	.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1200 $$(nvidia-smi -L >/dev/null 2>&1 || echo --numprocesses=auto) tests
 
 # On an H100/H200 with jax and its CUDA plugin already installed (the image's python3):
 # every GPU test. Each test compiles Mosaic GPU kernels (seconds of CPU), so they run
