@@ -771,6 +771,17 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                                   scale=scale, softcap=softcap)
           return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
 
+        def add_dq(ds16):
+          """dq += ds k (deterministic=False); reads only k and dsT, so it
+          runs after the slot's release."""
+          rows = (b, pl.ds(t * bq, bq), kv_head * group + g)
+          if share:
+            share_dq_tile(ds16, head_base + t - cta_lo, rows)
+          elif dq_mode is not None:
+            _add_dq_tile(ds16, ds_smem2.at[wg], dq_stage2.at[wg], k_smem, rows,
+                         dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
+                         slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+
         def ds_of(pT, dpT, th):
           delta_col = plgpu.load(delta_ring.at[slot], layout=col)
           dsT = _through_softcap(
@@ -792,14 +803,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
               dv, pT.astype(dtype), do_smem, dk,
               lambda: ds_of(pT, dpT, th).astype(dtype), q_smem)
           plgpu.barrier_arrive(consumed.at[slot])
-          if share:
-            share_dq_tile(dsT16, head_base + t - cta_lo,
-                          (b, pl.ds(t * bq, bq), kv_head * group + g))
-          elif dq_mode is not None:
-            _add_dq_tile(dsT16, ds_smem2.at[wg], dq_stage2.at[wg], k_smem,
-                         (b, pl.ds(t * bq, bq), kv_head * group + g),
-                         dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
-                         slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+          add_dq(dsT16)
           return dk, dv
         sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), shape)
         pT, th = probabilities(sT)
@@ -826,14 +830,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                                               staging=staging)
         if not (release_early and want_dk):
           plgpu.barrier_arrive(consumed.at[slot])
-        if share:  # Reads only k and dsT: after the slot's release.
-          share_dq_tile(dsT.astype(dtype), head_base + t - cta_lo,
-                        (b, pl.ds(t * bq, bq), kv_head * group + g))
-        elif dq_mode is not None:  # Reads only k and dsT: after the slot's release.
-          _add_dq_tile(dsT.astype(dtype), ds_smem2.at[wg], dq_stage2.at[wg],
-                       k_smem, (b, pl.ds(t * bq, bq), kv_head * group + g),
-                       dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
-                       slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+        if dq_mode is not None:
+          add_dq(dsT.astype(dtype))
         return dk, dv
 
       def skip(lo, hi, base, g):

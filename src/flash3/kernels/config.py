@@ -35,9 +35,8 @@ SMEM_LIMIT_BYTES = 227 * 1024
 SMEM_RESERVED_BYTES = 3072
 # The forward runs two compute warpgroups, each on its own tile of block_q rows.
 NUM_COMPUTE_WARPGROUPS = 2
-# Ring depth the forward's named barriers allow: the CTA's free hardware
-# barriers, less the two ping-pong turns, two (k, v) per slot.
-MAX_NAMED_STAGES = (sync.NUM_IDS - sync.FIRST_ID - sync.PingPong.IDS) // 2
+# Ring depth the forward's named barriers allow (two per slot, kernels/sync.py).
+MAX_NAMED_STAGES = sync.MAX_RING_SLOTS
 
 
 def check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:

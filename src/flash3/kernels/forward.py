@@ -492,12 +492,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   # Ping-pong turns and ring releases (sync.py): named barriers on the GPU
   # (ids: the two turns, then k's slots, then v's), mbarriers when interpreted.
   turns = sync.PingPong(wg, None if named else smem["schedule"])
-  first = sync.FIRST_ID + sync.PingPong.IDS
   release = {
       name: sync.Release(NUM_COMPUTE_WARPGROUPS,
-                         None if named else smem[f"{name}_free"],
-                         first_id=first + i * stages)
-      for i, name in enumerate(("k", "v"))}
+                         None if named else smem[f"{name}_free"], first_id=first)
+      for name, first in zip(("k", "v"), sync.release_first_ids(stages))}
 
   def setup(head, q_cta, batch):
     """The per-item scalars: lengths, shift, the key tiles the CTA streams."""

@@ -35,6 +35,15 @@ WARPGROUP_THREADS = 128
 # three warpgroups 1..3.
 FIRST_ID = 4
 NUM_IDS = 16  # Hardware named barriers per CTA on sm90.
+TURN_IDS = 2  # PingPong's: ids FIRST_ID, FIRST_ID + 1.
+# Then the ring's releases: k's slots, then v's (two ids per slot).
+MAX_RING_SLOTS = (NUM_IDS - FIRST_ID - TURN_IDS) // 2
+
+
+def release_first_ids(slots: int) -> tuple[int, int]:
+  """The first named-barrier id of k's and of v's ``slots`` release barriers."""
+  first = FIRST_ID + TURN_IDS
+  return first, first + slots
 
 
 def _bar(op: str, barrier_id, num_threads: int) -> None:
@@ -74,8 +83,6 @@ class PingPong:
       warpgroup's arrivals each); None on the GPU, which uses named barriers
       ``first_id`` (warpgroup 0's turn) and ``first_id + 1``.
   """
-
-  IDS = 2
 
   def __init__(self, wg, mbarriers=None, first_id: int = FIRST_ID):
     self.wg = wg
