@@ -61,7 +61,7 @@ run_stage() {  # run_stage NAME GPU
       local f=${1#testfile:}
       # shellcheck disable=SC2046
       shared stage "tests-$(basename "$f" .txt)" ${TESTS_BUDGET:-420} "$g" python3 -m pytest \
-        -p no:cacheprovider -v -n ${TEST_JOBS:-14} -rfE $(cat "$f") ;;
+        -p no:cacheprovider -v -n ${TEST_JOBS:-14} -rfE --durations=20 $(cat "$f") ;;
     api) shared stage api 120 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -rfE \
            tests/test_mosaic_path.py ;;
     serial) FLASH3_RESULTS_DIR="$R" XLA_PYTHON_CLIENT_PREALLOCATE=false stage serial 150 "$g" \

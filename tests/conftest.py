@@ -7,6 +7,11 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=4").strip()
+# The float32 references' GEMMs need no autotuning: on the H200 it cost 20-30 s
+# of compile per new shape (src/flash3/bench/reference.py), times 14 test
+# workers; the Mosaic GPU kernels under test do not go through it.
+if "xla_gpu_autotune_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"
 
 # GPU interpret mode runs each warpgroup as a thread whose barrier waits block
 # inside io_callbacks, and the interpreter dispatches small JAX computations

@@ -139,14 +139,16 @@ class BackwardConfig:
       Its GPU tests passed on an H200 (2026-12-01, sixth session); the
       heuristic takes it for deterministic=False at head_dim 128 without a
       causal mask or window.
-    overlap_matmuls: GPU path only, opt-in, NOT yet run on a GPU (written in
-      the seventh session after its device time was spent): issue the two
-      score-shaped matmuls of a tile (s = q k^T and dp = do v^T; in the dk/dv
-      kernel their transposes) back to back and compute p while dp's runs,
-      then issue dv += pT do and compute dsT while it runs before dk += dsT q
-      (FlashAttention-3's backward order; two wgmma waits per tile instead of
-      three or four). Needs both dk and dv in one launch (split_dkv off) for
-      the dk/dv kernel's second pair. Interpret mode runs the plain order.
+    overlap_matmuls: issue the two score-shaped matmuls of a tile (s = q k^T
+      and dp = do v^T; in the dk/dv kernel their transposes) back to back and
+      compute p while dp's runs, then issue dv += pT do and compute dsT while
+      it runs before dk += dsT q (FlashAttention-3's backward order; two wgmma
+      waits per tile instead of three or four). The dk/dv kernel's second pair
+      needs dk and dv in one launch (split_dkv off); GPU path only, interpret
+      mode runs the plain order. Default since the eighth session: on an H200
+      (2026-12-01, bfloat16, docs/benchmarks/h200/2026-12-01-s8/tune.md) it
+      was 0-12% faster on 11 of 12 shapes of D 64/128/256, T 4096/16384,
+      causal or not; its GPU tests and racecheck passed.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -164,7 +166,7 @@ class BackwardConfig:
   reverse_q_tiles: bool = False
   deterministic: bool = True
   share_dq: bool = False
-  overlap_matmuls: bool = False
+  overlap_matmuls: bool = True
   compute_registers: int = 232
   producer_registers: int = 40
 
