@@ -147,8 +147,10 @@ class BackwardConfig:
       needs dk and dv in one launch (split_dkv off); GPU path only, interpret
       mode runs the plain order. Default since the eighth session: on an H200
       (2026-12-01, bfloat16, docs/benchmarks/h200/2026-12-01-s8/tune.md) it
-      was 0-12% faster on 11 of 12 shapes of D 64/128/256, T 4096/16384,
-      causal or not; its GPU tests and racecheck passed.
+      was faster or even on 27 of 30 sweep rows (3-13% at head_dim 64 and
+      128; within 1% at 256, where only the dq kernel changes), flash3 /
+      cuDNN backward 0.902 -> 0.945 over 18 shapes; its GPU tests and
+      racecheck passed.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.

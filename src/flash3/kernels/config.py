@@ -97,12 +97,12 @@ class ForwardConfig:
       P @ V in the same warpgroup (FlashAttention-3, Section 3.2), on top of
       the two warpgroups' ping-pong; P then goes through shared memory (one
       (64, block_kv) tile per warpgroup); needs num_stages >= 2. Off by
-      default, for experiments. Its sixth-session H200 figure (11-15% slower
-      than without, docs/benchmarks/h200/2026-12-01-s6/tune.md) measured,
-      as a review found in the seventh session, the interpret-mode
-      sequential order: the GPU path never compiled the overlapped branch.
-      Fixed since (a CUDA-lowering test checks it); the overlapped branch
-      has not yet run on a GPU. Keeping P in registers was 35% slower.
+      default, for experiments: measured on an H200 with its overlapped
+      branch compiled (eighth session, docs/benchmarks/h200/2026-12-01-s8/
+      tune.md) it is 7-10% slower at head_dim 128 and 18-24% slower at 256
+      (the ping-pong already hides one warpgroup's softmax behind the other's
+      matmuls; the P tile and the second accumulator cost more). Its GPU
+      tests pass. Keeping P in registers was 35% slower (sixth session).
     named_barriers: on the GPU, hand the ping-pong turns and the ring's
       releases over with hardware named barriers (``bar.arrive`` /
       ``bar.sync``, kernels/sync.py) instead of mbarriers; interpret mode

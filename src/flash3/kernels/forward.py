@@ -61,8 +61,8 @@ q loads during the epilogue (else after the o store has read the q tile).
 Each item runs the same instructions as in the grid kernel, so the results
 are bitwise equal. Every mask and option is supported.
 
-``ForwardConfig(overlap_softmax=True)`` (opt-in; its overlapped branch has
-not yet run on a GPU, see the config's docstring) also overlaps, within each
+``ForwardConfig(overlap_softmax=True)`` (opt-in, slower on an H200: see
+the config's docstring) also overlaps, within each
 compute warpgroup, tile t's softmax with tile t-1's P @ V (FlashAttention-3,
 Section 3.2): S_t = Q K_t^T and the previous
 P @ V are issued together and only S_t is waited for; P goes to P @ V
