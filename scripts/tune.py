@@ -160,8 +160,9 @@ def _vary_candidates(what, D, T, causal, window, vary):
 
 
 def _parse_vary(items, what="fwd"):
-  """["named_barriers=0,1", "num_stages=2,3"] -> {field: [values]} (ints;
-  0 / 1 become bools for bool fields) for the config class of ``what``."""
+  """["named_barriers=0,1", "num_stages=2,3", "pingpong=handoff,off"] ->
+  {field: [values]} (ints; 0 / 1 become bools for bool fields; strings for
+  str fields) for the config class of ``what``."""
   from flash3.kernels.backward import BackwardConfig
   from flash3.kernels.config import ForwardConfig
   cls = ForwardConfig if what == "fwd" else BackwardConfig
@@ -172,7 +173,12 @@ def _parse_vary(items, what="fwd"):
     if name not in fields or not vals:
       raise SystemExit(f"--vary {item!r}: expected FIELD=V1,V2 with a field of "
                        f"{cls.__name__}")
-    conv = (lambda x: bool(int(x))) if fields[name].type in ("bool", bool) else int
+    if fields[name].type in ("bool", bool):
+      conv = lambda x: bool(int(x))
+    elif fields[name].type in ("str", str):
+      conv = str
+    else:
+      conv = int
     vary[name] = [conv(v) for v in vals.split(",")]
   return vary
 

@@ -124,6 +124,29 @@ def test_named_barriers_reach_the_gpu_lowering(persistent):
   assert "mbarrier.arrive.release" in texts[False]
 
 
+def test_pingpong_modes_in_the_gpu_lowering():
+  for bad in (False, "on", None):
+    with pytest.raises(ValueError, match="pingpong"):
+      ForwardConfig(pingpong=bad)
+  q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+  texts = {}
+  for mode in ("handoff", "meeting", "off"):
+    config = ForwardConfig(pingpong=mode)
+    f = lambda q, k, v, c=config: attention_forward(q, k, v, scale=0.1,
+                                                      mask=CAUSAL_BR, config=c)
+    texts[mode] = jax.jit(f).trace(q, q, q).lower(
+        lowering_platforms=("cuda",)).as_text()
+  # The turns: one-way arrivals of 2 warpgroups, or a meeting of both.
+  assert "bar.arrive $0, 256;" in texts["handoff"]
+  assert "bar.sync $0, 256;" in texts["handoff"]
+  assert "bar.arrive $0, 256;" not in texts["meeting"]
+  assert "bar.sync $0, 256;" in texts["meeting"]
+  for turn in ("bar.arrive $0, 256;", "bar.sync $0, 256;"):
+    assert turn not in texts["off"]
+  for mode in texts:  # The ring's releases stay.
+    assert "bar.sync $0, 384;" in texts[mode]
+
+
 def test_deep_ring_keeps_mbarriers_in_the_gpu_lowering():
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   k = jnp.zeros((1, 64 * 8, 1, 64), jnp.bfloat16)
@@ -244,6 +267,10 @@ def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
     (1, 330, 333, 1, 1, 64, CAUSAL_BR,
      ForwardConfig(block_kv=64, num_stages=2, reverse_q_tiles=True)),
     (1, 128, 512, 2, 1, 64, NO_MASK, ForwardConfig(block_kv=64, num_stages=3)),
+    (1, 200, 333, 1, 1, 64, CAUSAL_BR,
+     ForwardConfig(block_kv=64, num_stages=2, pingpong="off")),
+    (1, 200, 333, 1, 1, 64, CAUSAL_BR,
+     ForwardConfig(block_kv=64, num_stages=2, pingpong="meeting")),
     (1, 190, 300, 1, 1, 64, W(window_left=50, window_right=20),
      ForwardConfig(block_kv=64, num_stages=1)),
 ])
@@ -470,6 +497,23 @@ def test_gpu_e12_window_edges(causal, Tq, Tk):
         causal=True, alignment=alignment))
     np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32),
                                atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
+@pytest.mark.parametrize("mode", ["meeting", "off"])
+def test_gpu_pingpong_modes(mode, mask, persistent):
+  """ForwardConfig(pingpong="meeting" / "off") (A/B knobs): right, and
+  bitwise equal to the default, whose turns only order the matmuls' issue."""
+  q, k, v = make_qkv(jax.random.key(5), 2, 1000, 1100, 4, 2, 64, jnp.bfloat16)
+  on = attention_forward(q, k, v, scale=0.125, mask=mask,
+                         config=ForwardConfig(persistent=persistent))
+  o, lse = attention_forward(q, k, v, scale=0.125, mask=mask,
+                             config=ForwardConfig(pingpong=mode, persistent=persistent))
+  assert_matches(o, lse, q, k, v, scale=0.125, mask=mask)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(on[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(on[1]))
 
 
 @pytest.mark.gpu

@@ -91,3 +91,29 @@ def test_ping_pong_alternates_in_program_order(barrier_log, shape, mask, config)
   for (cta, wg), s in seqs.items():
     want = "SW" * (len(s) // 2) + "S" if wg == 0 else "WS" * (len(s) // 2) + "W"
     assert s == want, (cta, wg, s)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("mode", ["off", "meeting"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_other_pingpong_modes_take_no_one_way_turns(barrier_log, mode, persistent):
+  """ForwardConfig(pingpong="off" / "meeting"): no one-way turn barrier (the
+  ring's barriers still run; a meeting's is arrived at by both warpgroups),
+  and the output is bitwise the default's: turns order issue, not arithmetic."""
+  q = jax.random.normal(jax.random.key(1), (1, 330, 2, 64), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(2), (1, 333, 1, 64), jnp.float32).astype(jnp.bfloat16)
+  config = ForwardConfig(block_kv=64, pingpong=mode, persistent=persistent, num_sms=2)
+  o, _ = attention_forward(q, k, k, scale=0.125, mask=CBR, interpret=True, config=config)
+  o.block_until_ready()
+  assert barrier_log
+  assert not _turn_sequences(barrier_log)
+  if mode == "meeting":  # one barrier that both compute warpgroups arrive at
+    both = collections.defaultdict(set)
+    for b, op, t in barrier_log:
+      if op == "S" and t is not None:
+        both[b].add(t[1])
+    assert any(wgs == {0, 1} for wgs in both.values())
+  on, _ = attention_forward(q, k, k, scale=0.125, mask=CBR, interpret=True,
+                            config=ForwardConfig(block_kv=64, persistent=persistent,
+                                                 num_sms=2))
+  assert jnp.array_equal(o, on)

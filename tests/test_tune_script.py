@@ -49,3 +49,9 @@ def test_tune_vary_rejects_unknown_fields():
     tune._parse_vary(["named_barriers=0,1"], "bwd")
   assert tune._parse_vary(["overlap_matmuls=0,1"], "bwd") == {
       "overlap_matmuls": [False, True]}
+
+
+def test_tune_vary_takes_string_fields():
+  tune = _tune_module()
+  assert tune._parse_vary(["pingpong=handoff,meeting,off"], "fwd") == {
+      "pingpong": ["handoff", "meeting", "off"]}

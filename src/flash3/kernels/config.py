@@ -70,6 +70,9 @@ def check_bool(name: str, value) -> None:
     raise ValueError(f"{name}={value!r} must be a bool")
 
 
+PINGPONG_MODES = ("handoff", "meeting", "off")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """Static tuning of the forward kernel.
@@ -108,6 +111,13 @@ class ForwardConfig:
       ``bar.sync``, kernels/sync.py) instead of mbarriers; interpret mode
       always uses mbarriers (same protocol), and so does a ring of more than
       ``MAX_NAMED_STAGES`` (5) slots: a CTA has 16 hardware barriers.
+    pingpong: how the two compute warpgroups take turns on the tensor cores
+      (FlashAttention-3 section 3.1; kernels/sync.py). "handoff" (default,
+      since the seventh session): a warpgroup issues its matmuls, signals the
+      other's turn and waits for its own before its next matmuls. "meeting"
+      (the sixth session's form): both warpgroups meet at each of those
+      points. "off": no turns. An A/B knob: the seventh session's change to
+      "handoff" coincides with a 5-6% slower D = 64 causal forward.
   """
 
   block_q: int = 64
@@ -120,6 +130,7 @@ class ForwardConfig:
   num_sms: int = DEFAULT_SM_COUNT
   overlap_softmax: bool = False
   named_barriers: bool = True
+  pingpong: str = "handoff"
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -130,6 +141,8 @@ class ForwardConfig:
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
     check_bool("named_barriers", self.named_barriers)
+    if self.pingpong not in PINGPONG_MODES:
+      raise ValueError(f"pingpong={self.pingpong!r} is not one of {PINGPONG_MODES}")
     if self.overlap_softmax and self.num_stages < 2:
       # One slot: V_{t-1} is released only after step t's wait for its turn,
       # which the other warpgroup may give only once that slot's next tile

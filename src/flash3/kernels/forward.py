@@ -408,14 +408,18 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       v_loaded=plgpu.Barrier(num_barriers=stages),
   )
   if not named:
-    # Interpret mode (or named_barriers off): mbarriers for the ping-pong
-    # turns (one per warpgroup) and the ring's releases (sync.py).
+    # Interpret mode (or named_barriers off): mbarriers for the ring's
+    # releases and the ping-pong: one per warpgroup's turn, or one meeting
+    # point (sync.py).
     scratch.update(
         k_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
                              num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
-                             num_barriers=stages),
-        schedule=plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS))
+                             num_barriers=stages))
+    if config.pingpong == "handoff":
+      scratch["schedule"] = plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS)
+    elif config.pingpong == "meeting":
+      scratch["meeting"] = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS)
   if config.persistent and separate_o:
     scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                               transforms=transforms)
@@ -491,7 +495,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
   # Ping-pong turns and ring releases (sync.py): named barriers on the GPU
   # (ids: the two turns, then k's slots, then v's), mbarriers when interpreted.
-  turns = sync.PingPong(wg, None if named else smem["schedule"])
+  if config.pingpong == "handoff":
+    turns = sync.PingPong(wg, None if named else smem["schedule"])
+  elif config.pingpong == "meeting":
+    turns = sync.Meeting(wg, None if named else smem["meeting"])
+  else:
+    turns = sync.NoTurns()
   release = {
       name: sync.Release(NUM_COMPUTE_WARPGROUPS,
                          None if named else smem[f"{name}_free"], first_id=first)

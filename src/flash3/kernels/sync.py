@@ -113,6 +113,53 @@ class PingPong:
     pl.when(self.wg == 0)(self.signal)
 
 
+class Meeting(PingPong):
+  """``PingPong``'s calls as a meeting: every ``signal()`` and ``wait()``
+  waits until both warpgroups have reached the same point (the sixth
+  session's ping-pong; ``ForwardConfig(pingpong="meeting")``). The calls
+  pair up in the same order as the hand-off's, so the same start / finish
+  keep warpgroup 1 half a step behind.
+
+  Args:
+    wg: this warpgroup's index (0 or 1), traced.
+    mbarrier: interpret mode: ``plgpu.Barrier(num_arrivals=2)``; None on the
+      GPU, which uses named barrier ``first_id``.
+  """
+
+  def __init__(self, wg, mbarrier=None, first_id: int = FIRST_ID):
+    super().__init__(wg, None, first_id)
+    self.mbarrier = mbarrier
+
+  def _meet(self) -> None:
+    if self.mbarrier is not None:
+      plgpu.barrier_arrive(self.mbarrier)
+      plgpu.barrier_wait(self.mbarrier)
+    else:
+      named_sync(self.first_id, 2 * WARPGROUP_THREADS)
+
+  def signal(self) -> None:
+    self._meet()
+
+  def wait(self) -> None:
+    self._meet()
+
+
+class NoTurns:
+  """``PingPong``'s interface with no turns (``ForwardConfig(pingpong="off")``)."""
+
+  def signal(self) -> None:
+    pass
+
+  def wait(self) -> None:
+    pass
+
+  def start(self) -> None:
+    pass
+
+  def finish(self) -> None:
+    pass
+
+
 class Release:
   """Consumers free ring slots for one producer warpgroup.
 
