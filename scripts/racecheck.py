@@ -3,7 +3,7 @@
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
 then the persistent forward (plain, causal) with 2 CTAs looping over the work items,
-the forward with overlapped softmax (grid, persistent), the other ping-pong modes,
+the forward with overlapped softmax (grid, persistent), the other ping-pong modes, exp2 on the FMA pipes,
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
 and both backwards in the plain matmul order (overlap_matmuls=False).
 """
@@ -63,6 +63,12 @@ for mode in ("meeting", "off"):
                              mask=MaskSpec(causal=True, alignment="bottom_right"),
                              config=ForwardConfig(block_kv=64, pingpong=mode))
   print(f"ping-pong {mode}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+# Part of each tile's exp2 on the FMA pipes (ForwardConfig.exp2_fma_cols).
+o, lse = attention_forward(q, k, v, scale=0.125,
+                           mask=MaskSpec(causal=True, alignment="bottom_right"),
+                           config=ForwardConfig(block_kv=64, exp2_fma_cols=32))
+print(f"exp2 on FMA: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 # The single-kernel backward (opt-in, BackwardConfig(deterministic=False)): dq by
 # TMA reduce-add from the dk/dv kernel.

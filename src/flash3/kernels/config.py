@@ -118,6 +118,11 @@ class ForwardConfig:
       (the sixth session's form): both warpgroups meet at each of those
       points. "off": no turns. An A/B knob: the seventh session's change to
       "handoff" coincides with a 5-6% slower D = 64 causal forward.
+    exp2_fma_cols: columns of each score tile whose exp2 runs as a
+      polynomial on the FMA pipes instead of the MUFU unit (kernels/exp2.py,
+      FlashAttention-4's split): 0 (default) or a multiple of 16 up to
+      block_kv. An A/B knob for head_dim 64, where MUFU bounds the softmax;
+      not yet run on a GPU.
   """
 
   block_q: int = 64
@@ -131,6 +136,7 @@ class ForwardConfig:
   overlap_softmax: bool = False
   named_barriers: bool = True
   pingpong: str = "handoff"
+  exp2_fma_cols: int = 0
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -141,6 +147,7 @@ class ForwardConfig:
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
     check_bool("named_barriers", self.named_barriers)
+    check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0, self.block_kv)
     if self.pingpong not in PINGPONG_MODES:
       raise ValueError(f"pingpong={self.pingpong!r} is not one of {PINGPONG_MODES}")
     if self.overlap_softmax and self.num_stages < 2:

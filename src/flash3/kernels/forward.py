@@ -87,7 +87,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from flash3 import _device
-from flash3.kernels import common, schedule, sync
+from flash3.kernels import common, exp2, schedule, sync
 from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
                                    ForwardConfig,
                                    check_fits, forward_config,
@@ -634,7 +634,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       s = scores(s, t, masked=masked)
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+      p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
+                          config.exp2_fma_cols)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha
 
@@ -677,7 +678,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       s = scores(s, t, masked=masked)
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+      p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
+                          config.exp2_fma_cols)
       return p.astype(dtype), m_new, alpha, l * alpha + p.sum(axis=1)
 
     def store_p(p16):
