@@ -90,6 +90,12 @@ dq2, dk2, dv2 = attention_backward(
 print(f"single-kernel backward, shared dq: finite "
       f"{bool(jnp.isfinite(dq2.astype(jnp.float32)).all())}")
 
+# Part of each tile's exp2 on the FMA pipes in both backward kernels.
+dq4, dk4, dv4 = attention_backward(q, k, v, o, lse, o, scale=0.125, mask=mask,
+                                   config=BackwardConfig(exp2_fma_cols=32))
+print(f"backward exp2 on FMA: finite "
+      f"{all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in (dq4, dk4, dv4))}")
+
 # The defaults above use FlashAttention-3's matmul order (overlap_matmuls);
 # the plain order, still a config: both kernels, and the single kernel.
 for name, cfg in (("plain-order backward", BackwardConfig(overlap_matmuls=False)),

@@ -1425,3 +1425,59 @@ def test_gpu_overlap_matmuls_options(name):
                                overlap_matmuls=True)
   check_opts(B, Tq, Tk, N, K, 128, BF16, mask, interpret=False, config=config,
              seed=Tq, **opts)
+
+
+# ----------------------------------------------------------------------------
+# BackwardConfig.exp2_fma_cols: part of each tile's exp2 on the FMA pipes
+# (kernels/exp2.py; written in the eighth session after its device time)
+# ----------------------------------------------------------------------------
+
+def test_exp2_fma_cols_is_checked():
+  for bad in (8, 24, 192, True):
+    with pytest.raises(ValueError, match="exp2_fma_cols"):
+      BackwardConfig(block_kv_dq=128, block_q_dkv=128, exp2_fma_cols=bad)
+  BackwardConfig(block_kv_dq=128, block_q_dkv=64, exp2_fma_cols=64)
+  with pytest.raises(ValueError, match="exp2_fma_cols"):  # wider than the dk/dv tile
+    BackwardConfig(block_kv_dq=128, block_q_dkv=64, exp2_fma_cols=96)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", [
+    (1, 150, 200, 2, 2, 64, F16, CAUSAL_TL),
+    (1, 77, 190, 3, 1, 64, BF16, CAUSAL_BR),
+    (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10)),
+    (1, 72, 130, 2, 1, 256, F16, CAUSAL_BR),
+])
+def test_interpret_exp2_fma_cols_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
+  base = BackwardConfig.heuristic(D, Tq, Tk, mask, interpret=True)
+  config = dataclasses.replace(base, exp2_fma_cols=32)
+  *_, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, config=config,
+                           interpret=True, seed=Tq + Tk, scale_x=2.0)
+  dead = dead_query_rows(mask, Tq, Tk)
+  if dead.any():  # their dq is exactly 0
+    assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
+
+
+@pytest.mark.interpret
+def test_interpret_exp2_fma_cols_with_options():
+  config = dataclasses.replace(
+      BackwardConfig.heuristic(64, 100, 130, CAUSAL_BR, interpret=True), exp2_fma_cols=64)
+  check_opts(2, 100, 130, 2, 1, 64, BF16, CAUSAL_BR, interpret=True, config=config,
+             q_lengths=[100, 37], kv_lengths=[130, 50], softcap=15.0)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kw", [{}, dict(deterministic=False, block_q_dkv=64)],
+                         ids=["two-kernel", "single-kernel"])
+def test_exp2_fma_cols_cross_lowers_for_cuda(D, kw):
+  base = BackwardConfig.heuristic(D, 200, 136, CAUSAL_BR)
+  _cross_lower(D, CAUSAL_BR, config=dataclasses.replace(base, exp2_fma_cols=32, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,mask", [(64, NO_MASK), (64, CAUSAL_BR), (128, CAUSAL_BR)],
+                         ids=["d64", "d64-causal", "d128-causal"])
+def test_gpu_exp2_fma_cols(D, mask):
+  config = dataclasses.replace(BackwardConfig.heuristic(D, 1500, 1600, mask),
+                               exp2_fma_cols=32)
+  check(2, 1500, 1600, 4, 2, D, BF16, mask, config=config, seed=D, scale_x=2.0)

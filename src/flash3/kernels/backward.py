@@ -85,7 +85,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from flash3.kernels import common
+from flash3.kernels import common, exp2
 from flash3.kernels.config import (SMEM_LIMIT_BYTES, check_bool, check_multiple,
                                    check_registers,
                                    window_key_span)
@@ -151,6 +151,11 @@ class BackwardConfig:
       128; within 1% at 256, where only the dq kernel changes), flash3 /
       cuDNN backward 0.902 -> 0.945 over 18 shapes; its GPU tests and
       racecheck passed.
+    exp2_fma_cols: columns of each score tile (the dq kernel's (block_q_dq,
+      block_kv_dq) s, the dk/dv kernel's (block_kv_dkv, block_q_dkv) s^T)
+      whose exp2 runs as a polynomial on the FMA pipes instead of the MUFU
+      unit (kernels/exp2.py): 0 (default) or a multiple of 16 up to both
+      tiles' widths. An A/B knob, not yet run on a GPU.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -169,6 +174,7 @@ class BackwardConfig:
   deterministic: bool = True
   share_dq: bool = False
   overlap_matmuls: bool = True
+  exp2_fma_cols: int = 0
   compute_registers: int = 232
   producer_registers: int = 40
 
@@ -179,6 +185,8 @@ class BackwardConfig:
     check_multiple("compute_wgs_dkv", self.compute_wgs_dkv, 1, 1, 2)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
     check_registers(self.compute_registers, self.producer_registers)
+    check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0,
+                   min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq", "overlap_matmuls"):
       check_bool(name, getattr(self, name))
@@ -371,15 +379,17 @@ def _limit_plan(plan, seg):
   return nonempty, t_lo, a, b, t_hi
 
 
-def _probabilities(s, lse2, *, scale: float, softcap: float | None):
+def _probabilities(s, lse2, *, scale: float, softcap: float | None,
+                   fma_cols: int = 0):
   """p = exp(scale s (soft-capped) - lse) via exp2, and tanh(scale s / c) or None.
 
-  ``lse2`` is lse * log2(e), already broadcast to s's shape.
+  ``lse2`` is lse * log2(e), already broadcast to s's shape. The first
+  ``fma_cols`` columns take exp2 on the FMA pipes (``exp2.split_exp2``).
   """
   if softcap is None:
-    return jnp.exp2(s * (scale * common.LOG2_E) - lse2), None
+    return exp2.split_exp2(s * (scale * common.LOG2_E) - lse2, fma_cols), None
   th = jnp.tanh(s * (scale / softcap))
-  return jnp.exp2(th * (softcap * common.LOG2_E) - lse2), th
+  return exp2.split_exp2(th * (softcap * common.LOG2_E) - lse2, fma_cols), th
 
 
 def _score_like(shape, softcap):
@@ -525,7 +535,8 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
         def probabilities(s):
           p, th = _probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
-                                 scale=scale, softcap=softcap)
+                                 scale=scale, softcap=softcap,
+                                 fma_cols=config.exp2_fma_cols)
           return (p if keep is None else jnp.where(keep, p, 0.0)), th
 
         if overlap:  # GPU: s and dp issued together, p formed while dp runs.
@@ -772,7 +783,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
         def probabilities(sT):
           pT, th = _probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
-                                  scale=scale, softcap=softcap)
+                                  scale=scale, softcap=softcap,
+                                  fma_cols=config.exp2_fma_cols)
           return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
 
         def add_dq(ds16):
