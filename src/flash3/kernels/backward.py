@@ -380,16 +380,19 @@ def _limit_plan(plan, seg):
 
 
 def _probabilities(s, lse2, *, scale: float, softcap: float | None,
-                   fma_cols: int = 0):
+                   fma_cols: int = 0, guard: bool = True):
   """p = exp(scale s (soft-capped) - lse) via exp2, and tanh(scale s / c) or None.
 
   ``lse2`` is lse * log2(e), already broadcast to s's shape. The first
-  ``fma_cols`` columns take exp2 on the FMA pipes (``exp2.split_exp2``).
+  ``fma_cols`` columns take exp2 on the FMA pipes (``exp2.split_exp2``;
+  ``guard`` as there).
   """
   if softcap is None:
-    return exp2.split_exp2(s * (scale * common.LOG2_E) - lse2, fma_cols), None
+    x = s * (scale * common.LOG2_E) - lse2
+    return exp2.split_exp2(x, fma_cols, guard=guard), None
   th = jnp.tanh(s * (scale / softcap))
-  return exp2.split_exp2(th * (softcap * common.LOG2_E) - lse2, fma_cols), th
+  x = th * (softcap * common.LOG2_E) - lse2
+  return exp2.split_exp2(x, fma_cols, guard=guard), th
 
 
 def _score_like(shape, softcap):
@@ -536,7 +539,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         def probabilities(s):
           p, th = _probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
                                  scale=scale, softcap=softcap,
-                                 fma_cols=config.exp2_fma_cols)
+                                 fma_cols=config.exp2_fma_cols, guard=staged)
           return (p if keep is None else jnp.where(keep, p, 0.0)), th
 
         if overlap:  # GPU: s and dp issued together, p formed while dp runs.
@@ -784,7 +787,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         def probabilities(sT):
           pT, th = _probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
                                   scale=scale, softcap=softcap,
-                                  fma_cols=config.exp2_fma_cols)
+                                  fma_cols=config.exp2_fma_cols, guard=staged)
           return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
 
         def add_dq(ds16):

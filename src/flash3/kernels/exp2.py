@@ -33,17 +33,23 @@ C3 = 0.05500892858327226
 _ROUNDER = 12582912.0  # 1.5 * 2**23
 
 
-def exp2_fma(x):
+def exp2_fma(x, *, guard: bool = True):
   """2**x of a float32 array with x <= 0 (or -inf), by FMA-pipe arithmetic only.
+
+  ``guard`` keeps XLA from folding the range reduction away (interpret mode,
+  plain jit). Kernels on the GPU pass False: LLVM does not reassociate float
+  adds without fast-math flags (Mosaic GPU sets only ``contract``), and the
+  barrier is an inline-asm block with side effects that pins the schedule.
 
   Relative error below 1.1e-4 (a little more within 1 of -126, where results
   near the smallest normal lose their last bits); exactly 1 at 0; exactly 0
   below -126 and for -inf.
   """
   x = jnp.maximum(x, -127.0)  # -inf and huge negatives: finite bit tricks
-  # The barrier keeps compilers from folding (x + R) - R into x: XLA's
-  # algebraic simplifier does (interpret mode), which would make f = 0.
-  y = lax.optimization_barrier(x + _ROUNDER)
+  # XLA's algebraic simplifier folds (x + R) - R into x, making f = 0.
+  y = x + _ROUNDER
+  if guard:
+    y = lax.optimization_barrier(y)
   f = x - (y - _ROUNDER)
   p = ((C3 * f + C2) * f + C1) * f + 1.0
   j_bits = lax.shift_left(lax.bitcast_convert_type(y, jnp.int32), jnp.int32(23))
@@ -52,12 +58,13 @@ def exp2_fma(x):
   return jnp.where(x < -126.0, 0.0, out)
 
 
-def split_exp2(x, fma_cols: int):
-  """2**x of a (rows, cols) float32 tile: columns [0, fma_cols) by ``exp2_fma``,
-  the rest by ``jnp.exp2`` (MUFU). ``fma_cols`` 0: all by ``jnp.exp2``."""
+def split_exp2(x, fma_cols: int, *, guard: bool = True):
+  """2**x of a (rows, cols) float32 tile: columns [0, fma_cols) by ``exp2_fma``
+  (``guard`` as there), the rest by ``jnp.exp2`` (MUFU). ``fma_cols`` 0: all
+  by ``jnp.exp2``."""
   if fma_cols == 0:
     return jnp.exp2(x)
   if fma_cols == x.shape[1]:
-    return exp2_fma(x)
-  return jnp.concatenate([exp2_fma(x[:, :fma_cols]), jnp.exp2(x[:, fma_cols:])],
-                         axis=1)
+    return exp2_fma(x, guard=guard)
+  return jnp.concatenate([exp2_fma(x[:, :fma_cols], guard=guard),
+                          jnp.exp2(x[:, fma_cols:])], axis=1)

@@ -635,7 +635,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
       p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
-                          config.exp2_fma_cols)
+                          config.exp2_fma_cols, guard=staging)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha
 
@@ -679,7 +679,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
       p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
-                          config.exp2_fma_cols)
+                          config.exp2_fma_cols, guard=staging)
       return p.astype(dtype), m_new, alpha, l * alpha + p.sum(axis=1)
 
     def store_p(p16):
