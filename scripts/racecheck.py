@@ -57,12 +57,15 @@ for name, persistent in (("overlapped softmax", False), ("overlapped softmax, pe
   o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
   print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
-# The forward's other ping-pong modes (ForwardConfig.pingpong, A/B knobs), grid.
+# The forward's other ping-pong modes (ForwardConfig.pingpong, A/B knobs), grid
+# and persistent (where the turns run on across items).
 for mode in ("meeting", "off"):
-  o, lse = attention_forward(q, k, v, scale=0.125,
-                             mask=MaskSpec(causal=True, alignment="bottom_right"),
-                             config=ForwardConfig(block_kv=64, pingpong=mode))
-  print(f"ping-pong {mode}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+  for persistent in (False, True):
+    o, lse = attention_forward(
+        q, k, v, scale=0.125, mask=MaskSpec(causal=True, alignment="bottom_right"),
+        config=ForwardConfig(block_kv=64, pingpong=mode, persistent=persistent, num_sms=2))
+    print(f"ping-pong {mode}, persistent={persistent}: finite "
+          f"{bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 # Part of each tile's exp2 on the FMA pipes (ForwardConfig.exp2_fma_cols).
 o, lse = attention_forward(q, k, v, scale=0.125,

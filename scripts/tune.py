@@ -176,10 +176,16 @@ def _parse_vary(items, what="fwd"):
     if fields[name].type in ("bool", bool):
       conv = lambda x: bool(int(x))
     elif fields[name].type in ("str", str):
-      conv = str
+      conv = str.strip
     else:
       conv = int
     vary[name] = [conv(v) for v in vals.split(",")]
+    if conv is str.strip:  # A typo would only drop a candidate later: refuse it now.
+      for v in vary[name]:
+        try:
+          cls(**{name: v})
+        except ValueError as e:
+          raise SystemExit(f"--vary {item!r}: {e}") from None
   return vary
 
 

@@ -69,14 +69,24 @@ def test_config_rejects_bad_exp2_fma_cols(bad):
     ForwardConfig(block_kv=64, exp2_fma_cols=bad)
 
 
-@pytest.mark.parametrize("cols", [16, 32, 64])
+@pytest.mark.parametrize("cols", [0, 16, 32, 64])
 def test_exp2_fma_cols_lowers_for_cuda(cols):
+  """Lowers for the GPU, with the polynomial (its exponent shift) in the
+  kernel exactly when asked for, and no optimization barrier (interpret
+  mode's guard) on the GPU path."""
   q = jnp.zeros((1, 512, 2, 64), jnp.bfloat16)
   for mask in (NO_MASK, CAUSAL_BR):
-    config = ForwardConfig(block_kv=128, exp2_fma_cols=cols)
-    f = lambda q, k, v: attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
-    assert "mosaic_gpu" in jax.jit(f).trace(q, q, q).lower(
-        lowering_platforms=("cuda",)).as_text()
+    def jaxpr_and_lowered(cols):
+      config = ForwardConfig(block_kv=128, exp2_fma_cols=cols)
+      f = lambda q, k, v: attention_forward(q, k, v, scale=0.125, mask=mask,
+                                            config=config)
+      lowered = jax.jit(f).trace(q, q, q).lower(lowering_platforms=("cuda",))
+      return str(jax.make_jaxpr(f)(q, q, q)), lowered.as_text()
+    jaxpr, text = jaxpr_and_lowered(cols)
+    assert "mosaic_gpu" in text
+    assert ("shift_left" in jaxpr) == (cols > 0)
+    plain, _ = jaxpr_and_lowered(0)
+    assert jaxpr.count("optimization_barrier") == plain.count("optimization_barrier")
 
 
 # ----------------------------------------------------------------------------
@@ -94,15 +104,29 @@ def test_interpret_exp2_fma_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
   q, k, v = make_qkv(jax.random.key(Tq + Tk), B, Tq, Tk, N, K, D, dtype, scale=2.0)
   o, lse = run_interpret(q, k, v, scale=D ** -0.5, mask=mask, config=FMA)
   assert_matches(o, lse, q, k, v, scale=D ** -0.5, mask=mask)
+  if mask.window_left == 0:
+    return  # one key per row: x = 0 only, where both give exactly 1
+  # The polynomial ran: lse (float32) differs from the all-MUFU kernel's.
+  _, lse0 = run_interpret(q, k, v, scale=D ** -0.5, mask=mask,
+                          config=ForwardConfig(block_kv=64, num_stages=2))
+  assert not np.array_equal(np.asarray(lse), np.asarray(lse0))
+
+
+def _very_negative_logits(Tk, D=64, seed=1):
+  """E01 with a spread: scaled logits -120 * (1 + u), u uniform in [-0.5, 0.5]
+  per key, so within a row s - max spans about [-120, 0] (the polynomial's
+  whole range), every lse < -88.7 + log(Tk) + 1."""
+  a = float(np.sqrt(120 * 8 / D))
+  u = jax.random.uniform(jax.random.key(seed), (1, Tk, 1, 1), minval=-0.5, maxval=0.5)
+  q = jnp.full((1, Tk, 1, D), a, jnp.float32).astype(jnp.bfloat16)
+  k = jnp.broadcast_to(-a * (1 + u), (1, Tk, 1, D)).astype(jnp.bfloat16)
+  v = jax.random.normal(jax.random.key(seed + 1), (1, Tk, 1, D), jnp.bfloat16)
+  return q, k, v
 
 
 @pytest.mark.interpret
 def test_interpret_exp2_fma_very_negative_logits_e01():
-  Tk, D = 192, 64
-  a = float(np.sqrt(120 * 8 / D))  # every scaled logit about -120
-  q = jnp.full((1, Tk, 1, D), a, jnp.bfloat16)
-  k = jnp.full((1, Tk, 1, D), -a, jnp.bfloat16)
-  v = jax.random.normal(jax.random.key(1), (1, Tk, 1, D), jnp.bfloat16)
+  q, k, v = _very_negative_logits(192)
   o, lse = run_interpret(q, k, v, scale=0.125, mask=CAUSAL_TL, config=FMA)
   assert_matches(o, lse, q, k, v, scale=0.125, mask=CAUSAL_TL)
 
@@ -131,7 +155,9 @@ def test_interpret_exp2_fma_equal_extreme_inputs_e03():
 
 @pytest.mark.interpret
 def test_interpret_exp2_fma_nan_in_masked_keys_e07():
-  Tq, Tk = 100, 240
+  # Keys >= 70 are bad: tile 1 (keys 64..127) is seen by rows 64..69, so bad
+  # keys 70..95 fall in the polynomial's columns (0..31) of a computed tile.
+  Tq, Tk = 70, 240
   q, k, v = make_qkv(jax.random.key(3), 1, Tq, Tk, 1, 1, 64, jnp.bfloat16)
   bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
   idx = jnp.arange(Tk)
@@ -161,16 +187,14 @@ def test_gpu_exp2_fma_matches_reference(mask, persistent, cols):
 @pytest.mark.gpu
 def test_gpu_exp2_fma_edges_e01_e03_e07():
   config = ForwardConfig(block_kv=128, exp2_fma_cols=32)
-  Tk, D = 704, 64
-  a = float(np.sqrt(120 * 8 / D))
-  q = jnp.full((1, Tk, 1, D), a, jnp.bfloat16)
-  k = jnp.full((1, Tk, 1, D), -a, jnp.bfloat16)
-  v = jax.random.normal(jax.random.key(1), (1, Tk, 1, D), jnp.bfloat16)
+  q, k, v = _very_negative_logits(704)
   o, lse = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_TL, config=config)
   assert_matches(o, lse, q, k, v, scale=0.125, mask=CAUSAL_TL)
   x = jnp.full((1, 1, 1, 64), 133120.0, jnp.bfloat16)
   o, _ = attention_forward(x, x, x, scale=0.125, mask=NO_MASK, config=config)
   np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
+  # E07 with the whole tile on the polynomial, so the bad keys meet it.
+  config = ForwardConfig(block_kv=128, exp2_fma_cols=128)
   q, k, v = make_qkv(jax.random.key(3), 1, 100, 240, 1, 1, 64, jnp.bfloat16)
   idx = jnp.arange(240)
   bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
@@ -179,3 +203,4 @@ def test_gpu_exp2_fma_edges_e01_e03_e07():
   o_bad, lse_bad = attention_forward(q, k_bad, v, scale=0.125, mask=CAUSAL_TL, config=config)
   np.testing.assert_array_equal(np.asarray(o_bad, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse_bad), np.asarray(lse))
+  assert_matches(o, lse, q, k, v, scale=0.125, mask=CAUSAL_TL)

@@ -145,6 +145,15 @@ def test_pingpong_modes_in_the_gpu_lowering():
     assert turn not in texts["off"]
   for mode in texts:  # The ring's releases stay.
     assert "bar.sync $0, 384;" in texts[mode]
+  # The mbarrier forms (named_barriers=False) lower too.
+  for mode in ("handoff", "meeting", "off"):
+    for persistent in (False, True):
+      config = ForwardConfig(pingpong=mode, named_barriers=False,
+                             persistent=persistent, num_sms=2)
+      f = lambda q, k, v, c=config: attention_forward(q, k, v, scale=0.1,
+                                                        mask=CAUSAL_BR, config=c)
+      text = jax.jit(f).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+      assert "bar.arrive" not in text
 
 
 def test_deep_ring_keeps_mbarriers_in_the_gpu_lowering():

@@ -107,12 +107,22 @@ def test_other_pingpong_modes_take_no_one_way_turns(barrier_log, mode, persisten
   o.block_until_ready()
   assert barrier_log
   assert not _turn_sequences(barrier_log)
-  if mode == "meeting":  # one barrier that both compute warpgroups arrive at
-    both = collections.defaultdict(set)
-    for b, op, t in barrier_log:
-      if op == "S" and t is not None:
-        both[b].add(t[1])
-    assert any(wgs == {0, 1} for wgs in both.values())
+  # A meeting barrier: arrived at and waited on by both compute warpgroups
+  # (the ring's are waited on by the producer), each arriving then waiting
+  # the same number of times (start/finish included: an odd count of pairs).
+  arrivers, waiters = collections.defaultdict(set), collections.defaultdict(set)
+  for b, op, t in barrier_log:
+    if t is not None:
+      (arrivers if op == "S" else waiters)[b].add(t[1])
+  meetings = [b for b in arrivers if arrivers[b] == waiters[b] == {0, 1}]
+  assert bool(meetings) == (mode == "meeting")  # one per CTA
+  for b in meetings:
+    seqs = collections.defaultdict(str)
+    for bb, op, t in barrier_log:
+      if bb == b and t is not None:
+        seqs[t[1]] += op
+    assert seqs[0] == seqs[1] == "SW" * (len(seqs[0]) // 2)
+    assert (len(seqs[0]) // 2) % 2 == 1
   on, _ = attention_forward(q, k, k, scale=0.125, mask=CBR, interpret=True,
                             config=ForwardConfig(block_kv=64, persistent=persistent,
                                                  num_sms=2))

@@ -53,5 +53,7 @@ def test_tune_vary_rejects_unknown_fields():
 
 def test_tune_vary_takes_string_fields():
   tune = _tune_module()
-  assert tune._parse_vary(["pingpong=handoff,meeting,off"], "fwd") == {
+  assert tune._parse_vary(["pingpong=handoff, meeting,off"], "fwd") == {
       "pingpong": ["handoff", "meeting", "off"]}
+  with pytest.raises(SystemExit, match="handof"):
+    tune._parse_vary(["pingpong=handof,off"], "fwd")

@@ -16,6 +16,9 @@ bits left by 23 adds j to the exponent of 2**f. The degree-3 fit of 2**f on
 [-0.5, 0.5] (constant term exactly 1) has a relative error below 1.1e-4 (a
 float16 P rounds at 4.9e-4, bfloat16 at 3.9e-3). Arguments below -126 give exactly 0, as MUFU's
 flush-to-zero ``ex2.approx.ftz`` does, so -inf (masked) scores stay 0.
+"Exactly 1 at a row's maximum" holds where x is exactly 0; in unmasked
+forward tiles the compiler may fuse ``s * c - m`` into one FMA, leaving x a
+rounding away from 0 (as for MUFU).
 """
 
 from __future__ import annotations
@@ -34,16 +37,19 @@ _ROUNDER = 12582912.0  # 1.5 * 2**23
 
 
 def exp2_fma(x, *, guard: bool = True):
-  """2**x of a float32 array with x <= 0 (or -inf), by FMA-pipe arithmetic only.
+  """2**x of a float32 array, by FMA-pipe arithmetic only.
+
+  For x < 127.5: softmax's x <= 0, and the backward's s - lse, which rounding
+  can make slightly positive. Larger x (only from an lse inconsistent with
+  the scores) gives garbage, and +inf gives NaN, where ``jnp.exp2`` gives inf.
 
   ``guard`` keeps XLA from folding the range reduction away (interpret mode,
   plain jit). Kernels on the GPU pass False: LLVM does not reassociate float
   adds without fast-math flags (Mosaic GPU sets only ``contract``), and the
   barrier is an inline-asm block with side effects that pins the schedule.
 
-  Relative error below 1.1e-4 (a little more within 1 of -126, where results
-  near the smallest normal lose their last bits); exactly 1 at 0; exactly 0
-  below -126 and for -inf.
+  Relative error below 1.1e-4 on [-126, 0]; exactly 1 at 0; exactly 0 below
+  -126 and for -inf; NaN stays NaN.
   """
   x = jnp.maximum(x, -127.0)  # -inf and huge negatives: finite bit tricks
   # XLA's algebraic simplifier folds (x + R) - R into x, making f = 0.
