@@ -291,31 +291,42 @@ def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
   assert_matches(o, lse, q, k, v, scale=0.125, mask=mask)
 
 
+# The default config, and part of each tile's exp2 on the FMA pipes
+# (tests/test_exp2.py): the edges its exponent handling could break.
+EDGE_CONFIGS = [None, ForwardConfig(block_kv=64, num_stages=2, exp2_fma_cols=32)]
+EDGE_IDS = ["default", "exp2_fma"]
+
+
 @pytest.mark.interpret
-def test_interpret_extreme_equal_inputs_e03():
+@pytest.mark.parametrize("config", EDGE_CONFIGS, ids=EDGE_IDS)
+def test_interpret_extreme_equal_inputs_e03(config):
   """E03: q = k = v = 133120: o must equal v exactly, no NaN."""
   for Tk in (1, 2):
     x = jnp.full((1, 1, 1, 64), 133120.0, jnp.bfloat16)
     kv = jnp.full((1, Tk, 1, 64), 133120.0, jnp.bfloat16)
-    o, lse = run_interpret(x, kv, kv, scale=0.125, mask=NO_MASK)
+    o, lse = run_interpret(x, kv, kv, scale=0.125, mask=NO_MASK, config=config)
     np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
     assert np.isfinite(np.asarray(lse)).all()
 
 
 @pytest.mark.interpret
-def test_interpret_masked_keys_with_nan_e07():
-  """E07 (forward): NaN/Inf/1e30 in keys that are masked away change nothing."""
-  Tq, Tk = 100, 240
+@pytest.mark.parametrize("config", EDGE_CONFIGS, ids=EDGE_IDS)
+def test_interpret_masked_keys_with_nan_e07(config):
+  """E07 (forward): NaN/Inf/1e30 in keys that are masked away change nothing.
+  (Keys 70..95 sit in the first 32 columns of a 64-key tile rows 64..69 see:
+  where exp2_fma_cols puts the polynomial.)"""
+  Tq, Tk = 70, 240
   q, k, v = make_qkv(jax.random.key(3), 1, Tq, Tk, 1, 1, 64, jnp.bfloat16)
-  mask = CAUSAL_TL  # query i sees keys <= i < 100
+  mask = CAUSAL_TL  # query i sees keys <= i < 70
   bad = jnp.array([jnp.nan, jnp.inf, 1e30], jnp.bfloat16)
   idx = jnp.arange(Tk)
   k_bad = jnp.where((idx >= Tq)[None, :, None, None],
                     bad[idx % 3][None, :, None, None], k)
-  o, lse = run_interpret(q, k, v, scale=0.125, mask=mask)
-  o_bad, lse_bad = run_interpret(q, k_bad, v, scale=0.125, mask=mask)
+  o, lse = run_interpret(q, k, v, scale=0.125, mask=mask, config=config)
+  o_bad, lse_bad = run_interpret(q, k_bad, v, scale=0.125, mask=mask, config=config)
   np.testing.assert_array_equal(np.asarray(o_bad, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse_bad), np.asarray(lse))
+  assert_matches(o, lse, q, k, v, scale=0.125, mask=mask)
 
 
 # ----------------------------------------------------------------------------
