@@ -57,3 +57,48 @@ def test_tune_vary_takes_string_fields():
       "pingpong": ["handoff", "meeting", "off"]}
   with pytest.raises(SystemExit, match="handof"):
     tune._parse_vary(["pingpong=handof,off"], "fwd")
+
+
+# ----------------------------------------------------------------------------
+# scripts/tune_ab.py: the A/B table of a --vary run
+# ----------------------------------------------------------------------------
+
+def _tune_ab_module():
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_ab.py"
+  spec = importlib.util.spec_from_file_location("flash3_tune_ab_script", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _row(D, T, mode, ms, cudnn_ms, error=None):
+  row = dict(what="fwd", dtype="bfloat16", D=D, T=T, causal=True,
+             config=f"ForwardConfig(block_kv=128, pingpong='{mode}', exp2_fma_cols=0)")
+  if error:
+    return dict(row, error=error)
+  return dict(row, ms=ms, cudnn_ms=cudnn_ms, tflops=100.0 / ms,
+              cudnn_tflops=100.0 / cudnn_ms, ratio=cudnn_ms / ms)
+
+
+def test_tune_ab_table_ratios_and_geomean():
+  ab = _tune_ab_module()
+  rows = [_row(64, 4096, "handoff", 2.0, 1.0), _row(64, 4096, "off", 1.0, 1.0),
+          _row(64, 1024, "handoff", 1.0, 1.0), _row(64, 1024, "off", 0.5, 1.0),
+          _row(128, 1024, "handoff", 1.0, 1.0),  # "off" missing: not in the mean
+          _row(128, 1024, "off", None, None, error="ValueError: boom")]
+  text = ab.ab_table(rows, ["pingpong"])
+  lines = text.splitlines()
+  assert "pingpong=handoff TFLOP/s" in lines[0] and "off / handoff (time)" in lines[0]
+  # Shapes in numeric order (T 1024 before 4096); speed of "off" vs "handoff" 2.0.
+  assert lines[2].startswith("| fwd | bfloat16 | 64 | 1024 | 1 | - | 100 | 200 |")
+  assert lines[2].endswith("| 1.000 | 2.000 | 2.000 |")
+  assert lines[4].startswith("| fwd | bfloat16 | 128 | 1024 |") and "| - |" in lines[4]
+  # Geometric means over the two complete shapes: handoff sqrt(1 * 0.5), off 1 and 2.
+  assert "over 2 shapes: pingpong=handoff: 0.707, pingpong=off: 1.414" in text
+  assert "error at" in text and "boom" in text
+
+
+def test_tune_ab_unknown_field():
+  ab = _tune_ab_module()
+  with pytest.raises(SystemExit, match="no_such"):
+    ab.ab_table([_row(64, 1024, "off", 1.0, 1.0)], ["no_such"])
