@@ -14,12 +14,17 @@ from flash3.visibility import MaskSpec
 # scripts/tune.py --vary: A/B of config fields at the defaults
 # ----------------------------------------------------------------------------
 
-def _tune_module():
-  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune.py"
-  spec = importlib.util.spec_from_file_location("flash3_tune_script", path)
+def _script_module(name: str):
+  """scripts/<name>.py, imported as a module."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"flash3_{name}_script", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
+
+
+def _tune_module():
+  return _script_module("tune")
 
 
 def test_tune_vary_applies_fields_to_the_default_config():
@@ -64,11 +69,7 @@ def test_tune_vary_takes_string_fields():
 # ----------------------------------------------------------------------------
 
 def _tune_ab_module():
-  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_ab.py"
-  spec = importlib.util.spec_from_file_location("flash3_tune_ab_script", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return _script_module("tune_ab")
 
 
 def _row(D, T, mode, ms, cudnn_ms, error=None):

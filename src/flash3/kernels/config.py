@@ -70,7 +70,7 @@ def check_bool(name: str, value) -> None:
     raise ValueError(f"{name}={value!r} must be a bool")
 
 
-PINGPONG_MODES = ("handoff", "meeting", "off")
+PINGPONG_MODES = tuple(sync.TURNS)  # ("handoff", "meeting", "off")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -416,10 +416,9 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
                              num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
                              num_barriers=stages))
-    if config.pingpong == "handoff":
-      scratch["schedule"] = plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS)
-    elif config.pingpong == "meeting":
-      scratch["meeting"] = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS)
+    turn_barrier = sync.TURN_MBARRIERS[config.pingpong]
+    if turn_barrier is not None:
+      scratch["turns"] = plgpu.Barrier(**turn_barrier)
   if config.persistent and separate_o:
     scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
                               transforms=transforms)
@@ -495,12 +494,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
   # Ping-pong turns and ring releases (sync.py): named barriers on the GPU
   # (ids: the two turns, then k's slots, then v's), mbarriers when interpreted.
-  if config.pingpong == "handoff":
-    turns = sync.PingPong(wg, None if named else smem["schedule"])
-  elif config.pingpong == "meeting":
-    turns = sync.Meeting(wg, None if named else smem["meeting"])
-  else:
-    turns = sync.NoTurns()
+  turns = sync.TURNS[config.pingpong](wg, None if named else smem.get("turns"))
   release = {
       name: sync.Release(NUM_COMPUTE_WARPGROUPS,
                          None if named else smem[f"{name}_free"], first_id=first)
@@ -623,6 +617,15 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         return m_new, jnp.where(m_new == -jnp.inf, 0.0, m_new)
       return m_new, m_new
 
+    def softmax(s, t, m, *, masked: bool):
+      """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
+      s = scores(s, t, masked=masked)
+      m_new, m_sub = new_max(s, m, masked=masked)
+      alpha = jnp.exp2(m - m_sub)
+      p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
+                          config.exp2_fma_cols, guard=staging)
+      return p, m_new, alpha
+
     def compute_step(t, carry, *, masked: bool):
       # K of tile t was waited for already: by the previous compute step,
       # while its P @ V ran, or before the first compute step.
@@ -631,11 +634,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
                              (block_q, block_kv), while_running=turns.signal)
       release["k"].free(slot)
-      s = scores(s, t, masked=masked)
-      m_new, m_sub = new_max(s, m, masked=masked)
-      alpha = jnp.exp2(m - m_sub)
-      p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
-                          config.exp2_fma_cols, guard=staging)
+      p, m_new, alpha = softmax(s, t, m, masked=masked)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha
 
@@ -675,11 +674,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
     def softmax_to_p(s, t, m, l, *, masked: bool):
       """Tile t's raw scores -> (P_t in the input dtype, m, alpha, l)."""
-      s = scores(s, t, masked=masked)
-      m_new, m_sub = new_max(s, m, masked=masked)
-      alpha = jnp.exp2(m - m_sub)
-      p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
-                          config.exp2_fma_cols, guard=staging)
+      p, m_new, alpha = softmax(s, t, m, masked=masked)
       return p.astype(dtype), m_new, alpha, l * alpha + p.sum(axis=1)
 
     def store_p(p16):

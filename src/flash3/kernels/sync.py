@@ -120,44 +120,37 @@ class Meeting(PingPong):
   pair up in the same order as the hand-off's, so the same start / finish
   keep warpgroup 1 half a step behind.
 
-  Args:
-    wg: this warpgroup's index (0 or 1), traced.
-    mbarrier: interpret mode: ``plgpu.Barrier(num_arrivals=2)``; None on the
-      GPU, which uses named barrier ``first_id``.
+  ``mbarriers``: interpret mode: ``plgpu.Barrier(num_arrivals=2)``, one
+  meeting point; None on the GPU, which uses named barrier ``first_id``.
   """
 
-  def __init__(self, wg, mbarrier=None, first_id: int = FIRST_ID):
-    super().__init__(wg, None, first_id)
-    self.mbarrier = mbarrier
-
-  def _meet(self) -> None:
-    if self.mbarrier is not None:
-      plgpu.barrier_arrive(self.mbarrier)
-      plgpu.barrier_wait(self.mbarrier)
+  def signal(self) -> None:
+    if self.mbarriers is not None:
+      plgpu.barrier_arrive(self.mbarriers)
+      plgpu.barrier_wait(self.mbarriers)
     else:
       named_sync(self.first_id, 2 * WARPGROUP_THREADS)
 
-  def signal(self) -> None:
-    self._meet()
-
-  def wait(self) -> None:
-    self._meet()
+  wait = signal
 
 
 class NoTurns:
   """``PingPong``'s interface with no turns (``ForwardConfig(pingpong="off")``)."""
 
+  def __init__(self, wg=None, mbarriers=None):
+    del wg, mbarriers
+
   def signal(self) -> None:
     pass
 
-  def wait(self) -> None:
-    pass
+  wait = start = finish = signal
 
-  def start(self) -> None:
-    pass
 
-  def finish(self) -> None:
-    pass
+# ForwardConfig.pingpong -> the class, and the interpret-mode mbarrier it
+# needs (``plgpu.Barrier`` arguments; None: none).
+TURNS = {"handoff": PingPong, "meeting": Meeting, "off": NoTurns}
+TURN_MBARRIERS = {"handoff": dict(num_barriers=2), "meeting": dict(num_arrivals=2),
+                  "off": None}
 
 
 class Release:
