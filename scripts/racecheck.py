@@ -57,9 +57,9 @@ for name, persistent in (("overlapped softmax", False), ("overlapped softmax, pe
   o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
   print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
-# The forward's other ping-pong modes (ForwardConfig.pingpong, A/B knobs), grid
+# The forward's ping-pong modes other than the default "meeting" (A/B knobs), grid
 # and persistent (where the turns run on across items).
-for mode in ("meeting", "off"):
+for mode in ("handoff", "off"):
   for persistent in (False, True):
     o, lse = attention_forward(
         q, k, v, scale=0.125, mask=MaskSpec(causal=True, alignment="bottom_right"),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from flash3.kernels import common
-from flash3.kernels.config import (SMEM_LIMIT_BYTES, ForwardConfig,
+from flash3.kernels.config import (PINGPONG_MODES, SMEM_LIMIT_BYTES, ForwardConfig,
                                    forward_config, forward_smem_bytes)
 from flash3.kernels.forward import attention_forward, unsupported_reason
 from flash3.visibility import MaskSpec, dense_mask
@@ -215,6 +215,15 @@ def test_heuristic_registers(d_pad, mask, kv_len, wide):
       (240, 24) if wide else (232, 40))
 
 
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
+@pytest.mark.parametrize("d_pad,mode", [(64, "meeting"), (128, "meeting"),
+                                        (192, "handoff"), (256, "handoff")])
+def test_heuristic_pingpong(d_pad, mode, mask):
+  # The ninth session's H200 A/B: the meeting up to D=128, the hand-off at 256.
+  for kv_len in (1024, 16384):
+    assert forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len).pingpong == mode
+
+
 def test_unsupported_reasons():
   ok = unsupported_reason((2, 10, 4, 64), (2, 7, 2, 64), jnp.bfloat16, CAUSAL_BR)
   assert ok is None
@@ -279,7 +288,7 @@ def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
     (1, 200, 333, 1, 1, 64, CAUSAL_BR,
      ForwardConfig(block_kv=64, num_stages=2, pingpong="off")),
     (1, 200, 333, 1, 1, 64, CAUSAL_BR,
-     ForwardConfig(block_kv=64, num_stages=2, pingpong="meeting")),
+     ForwardConfig(block_kv=64, num_stages=2, pingpong="handoff")),
     (1, 190, 300, 1, 1, 64, W(window_left=50, window_right=20),
      ForwardConfig(block_kv=64, num_stages=1)),
 ])
@@ -522,10 +531,10 @@ def test_gpu_e12_window_edges(causal, Tq, Tk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
-@pytest.mark.parametrize("mode", ["meeting", "off"])
+@pytest.mark.parametrize("mode", [m for m in PINGPONG_MODES if m != ForwardConfig().pingpong])
 def test_gpu_pingpong_modes(mode, mask, persistent):
-  """ForwardConfig(pingpong="meeting" / "off") (A/B knobs): right, and
-  bitwise equal to the default, whose turns only order the matmuls' issue."""
+  """The ping-pong modes other than the default (A/B knobs): right, and
+  bitwise equal to the default: turns only order the matmuls' issue."""
   q, k, v = make_qkv(jax.random.key(5), 2, 1000, 1100, 4, 2, 64, jnp.bfloat16)
   on = attention_forward(q, k, v, scale=0.125, mask=mask,
                          config=ForwardConfig(persistent=persistent))

@@ -84,7 +84,8 @@ def test_ping_pong_alternates_in_program_order(barrier_log, shape, mask, config)
   q = jnp.zeros((B, Tq, N, 64), jnp.bfloat16)
   k = jnp.zeros((B, Tk, K, 64), jnp.bfloat16)
   o, _ = attention_forward(q, k, k, scale=0.125, mask=mask, interpret=True,
-                           config=ForwardConfig(block_kv=64, **config))
+                           config=ForwardConfig(block_kv=64, pingpong="handoff",
+                                                **config))
   o.block_until_ready()
   seqs = _turn_sequences(barrier_log)
   assert seqs
@@ -99,7 +100,7 @@ def test_ping_pong_alternates_in_program_order(barrier_log, shape, mask, config)
 def test_other_pingpong_modes_take_no_one_way_turns(barrier_log, mode, persistent):
   """ForwardConfig(pingpong="off" / "meeting"): no one-way turn barrier (the
   ring's barriers still run; a meeting's is arrived at by both warpgroups),
-  and the output is bitwise the default's: turns order issue, not arithmetic."""
+  and the output is bitwise the hand-off's: turns order issue, not arithmetic."""
   q = jax.random.normal(jax.random.key(1), (1, 330, 2, 64), jnp.float32).astype(jnp.bfloat16)
   k = jax.random.normal(jax.random.key(2), (1, 333, 1, 64), jnp.float32).astype(jnp.bfloat16)
   config = ForwardConfig(block_kv=64, pingpong=mode, persistent=persistent, num_sms=2)
@@ -124,6 +125,6 @@ def test_other_pingpong_modes_take_no_one_way_turns(barrier_log, mode, persisten
     assert seqs[0] == seqs[1] == "SW" * (len(seqs[0]) // 2)
     assert (len(seqs[0]) // 2) % 2 == 1
   on, _ = attention_forward(q, k, k, scale=0.125, mask=CBR, interpret=True,
-                            config=ForwardConfig(block_kv=64, persistent=persistent,
-                                                 num_sms=2))
+                            config=ForwardConfig(block_kv=64, pingpong="handoff",
+                                                 persistent=persistent, num_sms=2))
   assert jnp.array_equal(o, on)

@@ -112,12 +112,14 @@ class ForwardConfig:
       always uses mbarriers (same protocol), and so does a ring of more than
       ``MAX_NAMED_STAGES`` (5) slots: a CTA has 16 hardware barriers.
     pingpong: how the two compute warpgroups take turns on the tensor cores
-      (FlashAttention-3 section 3.1; kernels/sync.py). "handoff" (default,
-      since the seventh session): a warpgroup issues its matmuls, signals the
-      other's turn and waits for its own before its next matmuls. "meeting"
-      (the sixth session's form): both warpgroups meet at each of those
-      points. "off": no turns. An A/B knob: the seventh session's change to
-      "handoff" coincides with a 5-6% slower D = 64 causal forward.
+      (FlashAttention-3 section 3.1; kernels/sync.py). "meeting" (default):
+      both warpgroups meet (one named barrier) where a warpgroup has issued
+      its matmuls and where it is about to issue the next ones. "handoff"
+      (the seventh and eighth sessions' default): a warpgroup signals the
+      other's turn one way and waits for its own. "off": no turns. On an
+      H200 (ninth session, bf16, D 64/128, T 4096/16384, causal or not)
+      "meeting" was faster than "handoff" on 7 of 8 shapes, flash3/cuDNN
+      geomean 0.974 against 0.949 ("off": 0.887).
     exp2_fma_cols: columns of each score tile whose exp2 runs as a
       polynomial on the FMA pipes instead of the MUFU unit (kernels/exp2.py,
       FlashAttention-4's split): 0 (default) or a multiple of 16 up to
@@ -135,7 +137,7 @@ class ForwardConfig:
   num_sms: int = DEFAULT_SM_COUNT
   overlap_softmax: bool = False
   named_barriers: bool = True
-  pingpong: str = "handoff"
+  pingpong: str = "meeting"
   exp2_fma_cols: int = 0
 
   def __post_init__(self):
@@ -251,7 +253,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   of 2026-12-01) the persistent kernel for short sequences, see
   ``_prefers_persistent``; and (sixth session,
   docs/benchmarks/h200/2026-12-01-s6/tune.md) 240 registers per compute
-  thread for the widest score tiles.
+  thread for the widest score tiles; (ninth session) the "meeting"
+  ping-pong up to D=128, the "handoff" at D=256.
 
   Args:
     head_dim: D after any padding the kernel does (a multiple of 64).
@@ -280,9 +283,13 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   persistent = _prefers_persistent(head_dim, mask, kv_len)
   if persistent and head_dim <= 64:
     stages = min(stages, 2)  # The persistent sweep's best at D=64.
+  # The meeting ping-pong gained 1-5% at D=64, even at D=128; the hand-off
+  # kept D=256 0.5-1.4% faster (ninth session, docs/benchmarks/h200/
+  # 2026-12-01-s9/tune.md).
+  pingpong = "handoff" if head_dim > 128 else "meeting"
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
-                         num_sms=num_sms)
+                         num_sms=num_sms, pingpong=pingpong)
   if not persistent and head_dim <= 64 and block_kv == 256:
     # The widest score tile (64 x 256) gains from 8 more registers per compute
     # thread (setmaxnreg 240, the producer 24): D=64 non-causal T >= 8192
