@@ -123,8 +123,9 @@ class ForwardConfig:
     exp2_fma_cols: columns of each score tile whose exp2 runs as a
       polynomial on the FMA pipes instead of the MUFU unit (kernels/exp2.py,
       FlashAttention-4's split): 0 (default) or a multiple of 16 up to
-      block_kv. An A/B knob for head_dim 64, where MUFU bounds the softmax;
-      not yet run on a GPU.
+      block_kv. An A/B knob: on an H200 (ninth session) 32 columns were 2-7%
+      slower at head_dim 64 and 128 (MUFU does not bound the softmax there);
+      its GPU tests pass.
   """
 
   block_q: int = 64
@@ -237,7 +238,9 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
   if span is not None:
     return (head_dim <= 128 and span <= 2048) or (head_dim <= 64 and span <= 4096)
   if mask.causal:
-    return (head_dim <= 64 and kv_len <= 4096) or (head_dim <= 128 and kv_len <= 512)
+    # Ninth session: with the meeting ping-pong and 256-key tiles, causal
+    # D=64 ran 3-9% faster persistent at T 1024-16384.
+    return head_dim <= 64 or (head_dim <= 128 and kv_len <= 512)
   return (head_dim <= 128 and kv_len <= 2048) or (head_dim <= 64 and kv_len <= 4096)
 
 
@@ -259,8 +262,10 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   Args:
     head_dim: D after any padding the kernel does (a multiple of 64).
     dtype: float16 or bfloat16 (both 2 bytes; the choice does not depend on it).
-    mask: the MaskSpec; causal masks prefer 128-key tiles at D=64 (less
-      waste on the diagonal) and launch the longest query tiles first.
+    mask: the MaskSpec; causal masks launch the longest query tiles first,
+      and at D=64 take 256-key tiles in a 2-slot ring, persistent (ninth
+      session: 1.01-1.09x cuDNN at T 4096-16384, against 0.88-0.95 with the
+      128-key grid kernel); windows take 128-key tiles up to D=128.
     q_len, kv_len: Tq and Tk.
     interpret: the ring is shrunk until interpret mode's P staging buffer
       fits too (see common.py); the GPU path keeps the full ring.
@@ -270,12 +275,13 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   """
   del dtype, q_len  # Same choice for both 16-bit types and all Tq today.
   if head_dim <= 64:
-    block_kv, stages = (128, 2) if mask.causal else (256, 3)
+    block_kv, stages = (256, 2) if mask.causal else (256, 3)
   elif head_dim <= 128:
     block_kv, stages = 128, 2
   else:
     block_kv, stages = 64, 2
-  if mask.is_structural and head_dim <= 128:
+  windowed = mask.window_left is not None or mask.window_right is not None
+  if windowed and head_dim <= 128:
     block_kv = 128
   # Never ring more tiles than there are keys.
   tiles = max(1, -(-kv_len // block_kv))

@@ -7,10 +7,12 @@ warpgroup's softmax overlaps the other's matmuls, and a multi-stage K/V ring
 in shared memory. The online softmax (FlashAttention-2, Dao 2023, algorithm 1)
 runs in the exp2 domain with ``scale * log2(e)`` folded into the scores.
 
-Synchronisation (kernels/sync.py): the ping-pong is a one-way hand-off, as
-in FlashAttention-3's CUTLASS kernel: a warpgroup issues its matmuls, signals
-the other warpgroup's turn and, after its softmax, waits for its own turn
-before the next matmuls; consumers release ring slots to the producer. On the
+Synchronisation (kernels/sync.py): at each ping-pong turn point (after a
+warpgroup issues its matmuls, and after its softmax before the next ones)
+the two warpgroups meet at one barrier (``ForwardConfig.pingpong="meeting"``,
+the default up to D=128) or hand the turn over one way, as FlashAttention-3's
+CUTLASS kernel does ("handoff", D=256; H200 A/B: docs/benchmarks/h200/
+2026-12-01-s9/tune.md); consumers release ring slots to the producer. On the
 GPU both run on hardware named barriers (``bar.arrive`` / ``bar.sync``,
 ``ForwardConfig.named_barriers``, the default), in interpret mode on
 mbarriers with the same arrivals and waits (H200 A/B of the two, seventh
