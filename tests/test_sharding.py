@@ -190,7 +190,8 @@ def test_context_parallel_errors_match_dot_product_attention():
       (ValueError, (q, k, v), dict(query_segment_ids=seg)),
       (ValueError, (q, k, v), dict(query_segment_ids=seg[:, :10],
                                    key_value_segment_ids=seg[:, :10])),
-      (TypeError, (q.tolist(), k.tolist(), v.tolist()), {}),
+      (TypeError, (q, k, v), dict(scale="0.5")),
+      (TypeError, (q, k, v), dict(local_window_size=2.0)),
       (TypeError, (q.astype(jnp.int32), k, v), {}),
       (ValueError, (q, k, v), dict(sinks=jnp.zeros((3,)))),
       (ValueError, (q, k, v), dict(scale=float("nan"))),
@@ -207,8 +208,8 @@ def test_context_parallel_errors_match_dot_product_attention():
   with pytest.raises(ValueError, match=re.escape(
       "query_segment_ids has shape (2, 10); allowed: (2, 64)")):
     _cp_call(q, k, v, query_segment_ids=seg[:, :10], key_value_segment_ids=seg[:, :10])
-  with pytest.raises(TypeError, match="query is a list; allowed: a jax or NumPy array"):
-    _cp_call(q.tolist(), k.tolist(), v.tolist())
+  with pytest.raises(TypeError, match="scale='0.5'; allowed: a finite Python or NumPy number"):
+    _cp_call(q, k, v, scale="0.5")
 
 
 def test_context_parallel_rejects_mesh_axes_that_do_not_fit():

@@ -177,7 +177,36 @@ def test_negative_window(window):
 
 
 def test_window_tuple_of_three():
-  expect(ValueError, "local_window_size", local_window_size=(1, 2, 3))
+  expect(ValueError, "local_window_size", "3 entries", local_window_size=(1, 2, 3))
+
+
+@pytest.mark.parametrize("window", [2.0, True, "2", (1, 2.5), (None, 3)])
+def test_window_of_non_ints_is_a_type_error(window):
+  expect(TypeError, "local_window_size", repr(window), local_window_size=window)
+
+
+def test_window_takes_concrete_integer_scalars():
+  want = call(local_window_size=(2, 1))
+  for window in [(np.int64(2), jnp.array(1)), (jnp.array(2, jnp.int32), 1)]:
+    np.testing.assert_array_equal(np.asarray(call(local_window_size=window)),
+                                  np.asarray(want))
+
+
+def test_traced_lengths_out_of_range_are_clamped():
+  # Traced lengths cannot be checked; values past [0, T] act as the nearest
+  # bound (a length of 99 is the whole row), never as a shifted alignment.
+  q, k, v = qkv()
+  f = jax.jit(lambda lq, lk: call(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                                  query_seq_lengths=lq, key_value_seq_lengths=lk,
+                                  return_residual=True))
+  o, lse = f(jnp.array([99, 99]), jnp.array([99, -3]))
+  full_o, full_lse = call(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                          return_residual=True)
+  # (jit may round differently from the eager call: 1 ulp.)
+  np.testing.assert_allclose(np.asarray(o[0]), np.asarray(full_o[0]), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse[0]), np.asarray(full_lse[0]), rtol=1e-6)
+  assert np.all(np.asarray(lse[1]) == -np.inf)  # kv length -3 -> 0: no key seen
+  assert np.all(np.asarray(o[1]) == 0)
 
 
 @pytest.mark.parametrize("name, shape", [
@@ -319,6 +348,30 @@ def test_empty_inputs_give_empty_outputs(b, tq, tk):
   assert g.shape == q.shape
 
 
+@pytest.mark.parametrize("implementation", [None, "mosaic", "xla"])
+def test_head_dim_zero_sees_its_keys(implementation):
+  # D = 0: every logit is 0, so each row's lse is the log of the keys it sees
+  # (not -inf, which is for rows that see none); no kernel is launched.
+  q, k, v = qkv(d=0)
+  o, lse = call(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                key_value_seq_lengths=np.array([TK, 2], np.int32), return_residual=True,
+                implementation=implementation)
+  assert o.shape == (B, TQ, N, 0)
+  shift = np.array([TK, 2]) - TQ
+  seen = np.clip(np.arange(TQ)[None, :] + shift[:, None] + 1, 0, [[TK], [2]])
+  want = np.where(seen > 0, np.log(np.maximum(seen, 1)), -np.inf)
+  np.testing.assert_allclose(np.asarray(lse), np.broadcast_to(want[..., None], lse.shape),
+                             rtol=1e-6)
+
+
+def test_query_key_value_as_python_lists():
+  # jax.nn takes q, k, v as array-likes; so does flash3.
+  q, k, v = qkv()
+  want = call(q, k, v, is_causal=True)
+  got = call(q.tolist(), k.tolist(), v.tolist(), is_causal=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 # ------------------------------------------------------------ implementation
 
 
@@ -441,9 +494,29 @@ def test_huge_windows_mean_no_limit(window):
 
 @pytest.mark.parametrize("scale", ["abc", "0.5", True])
 def test_scale_must_be_a_number(scale):
+  # Not a number at all: a TypeError, like a wrong dtype.
   q = jnp.ones((1, 4, 1, 8))
-  with pytest.raises(ValueError, match="scale="):
+  with pytest.raises(TypeError, match="scale="):
     flash3.dot_product_attention(q, q, q, scale=scale)
+
+
+@pytest.mark.parametrize("name", ["scale", "logits_soft_cap"])
+def test_traced_scale_and_cap_are_type_errors(name):
+  # The kernels are compiled for these numbers: a traced one is refused
+  # (jax.nn takes a traced scale; docs/semantics.md section 5 says so).
+  q = jnp.ones((1, 4, 1, 8))
+  f = jax.jit(lambda x: flash3.dot_product_attention(q, q, q, **{name: x}))
+  with pytest.raises(TypeError, match=f"{name}=.*known at trace time"):
+    f(0.5)
+
+
+@pytest.mark.parametrize("cap", ["5", b"5"])
+def test_soft_cap_must_be_a_number(cap):
+  expect(TypeError, "logits_soft_cap", repr(cap), logits_soft_cap=cap)
+
+
+def test_soft_cap_must_be_a_scalar():
+  expect(ValueError, "logits_soft_cap", "(1,)", logits_soft_cap=jnp.array([5.0]))
 
 
 @pytest.mark.parametrize("name", ["query_seq_lengths", "key_value_seq_lengths"])

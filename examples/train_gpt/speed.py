@@ -31,8 +31,11 @@ from . import train as train_lib
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m examples.train_gpt.speed", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      prog="python -m examples.train_gpt.speed", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="Every other option is the trainer's (python -m examples.train_gpt --help): "
+             "--preset, --seed, --flash3-kernels-only, --no-segments, model sizes, ...")
   p.add_argument("--impls", default="flash3,cudnn",
                  help="comma-separated attention implementations, the first is the "
                       f"baseline of the ratios (from {', '.join(attention_lib.IMPLEMENTATIONS)})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -91,19 +92,31 @@ def _flag(name: str, value) -> bool:
   raise TypeError(f"{name}={value!r}; allowed: True or False, known at trace time")
 
 
+def _static_int(x) -> int | None:
+  """x as a Python int if it is an integer known at trace time (Python, NumPy
+  or a concrete 0-d jax integer), else None; bools are not integers here."""
+  if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+    return operator.index(x)
+  if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+      and x.shape == () and jnp.issubdtype(x.dtype, jnp.integer)):
+    return operator.index(x)
+  return None
+
+
 def _window(local_window_size, longest: int) -> tuple[int, int] | None:
   if local_window_size is None:
     return None
-  if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
-    window = (int(local_window_size), int(local_window_size))
-  elif (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2
-        and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool)
-                for w in local_window_size)):
-    window = (int(local_window_size[0]), int(local_window_size[1]))
-  else:
-    raise ValueError(
+  pair = (local_window_size if isinstance(local_window_size, (tuple, list))
+          else (local_window_size, local_window_size))
+  window = tuple(_static_int(w) for w in pair) if len(pair) == 2 else (None,)
+  if None in window:
+    if isinstance(local_window_size, (tuple, list)) and len(local_window_size) != 2:
+      raise ValueError(
+          f"local_window_size={local_window_size!r} has {len(local_window_size)} "
+          "entries; allowed: None, an int >= 0, or a (left, right) pair of ints >= 0")
+    raise TypeError(
         f"local_window_size={local_window_size!r}; allowed: None, an int >= 0, "
-        "or a (left, right) pair of ints >= 0")
+        "or a (left, right) pair of ints >= 0, known at trace time")
   if min(window) < 0:
     raise ValueError(
         f"local_window_size={local_window_size!r} has a negative size; "
@@ -163,7 +176,10 @@ def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
     if lo < 0 or hi > max_len:
       raise ValueError(
           f"{name} has values in [{lo}, {hi}]; allowed: 0 <= length <= {max_len}")
-  return x.astype(jnp.int32)
+    return x.astype(jnp.int32)
+  # Traced values cannot be checked: clamp them into [0, T] so that a wrong
+  # length cannot move a bottom_right alignment past the array's ends.
+  return jnp.clip(x.astype(jnp.int32), 0, max_len)
 
 
 def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
@@ -178,13 +194,15 @@ def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
 
 def _positive_finite(name: str, value) -> float:
   if isinstance(value, (bool, np.bool_, str, bytes)) or isinstance(value, jax.core.Tracer):
-    raise ValueError(
+    raise TypeError(
         f"{name}={value!r}; allowed: a finite Python or NumPy number, known at trace "
         "time (the kernels are compiled for it)")
+  if getattr(value, "shape", ()) != ():
+    raise ValueError(f"{name} has shape {np.shape(value)}; allowed: a scalar number")
   try:
     value = float(value)
   except (TypeError, ValueError):
-    raise ValueError(f"{name}={value!r}; allowed: a finite Python or NumPy number") from None
+    raise TypeError(f"{name}={value!r}; allowed: a finite Python or NumPy number") from None
   if not math.isfinite(value):
     raise ValueError(f"{name}={value!r}; allowed: a finite number")
   return value
@@ -217,6 +235,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   query_segment_ids = as_host(query_segment_ids)
   key_value_segment_ids = as_host(key_value_segment_ids)
 
+  query, key, value = as_array(query), as_array(key), as_array(value)
   names = ("query", "key", "value")
   arrays = (query, key, value)
   for name, x in zip(names, arrays):

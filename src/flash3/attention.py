@@ -91,7 +91,8 @@ def dot_product_attention(
     The output, query's shape and dtype; with return_residual, also the
     logsumexp of the softmax denominator (sink included), shape (B, Tq, N) or
     (Tq, N), float32, NATURAL log. A query row that sees no key gets output 0,
-    logsumexp -inf (the sink's logit if sinks are given), and zero gradients;
+    logsumexp -inf (the sink's logit if sinks are given, whose gradient a
+    loss on that logsumexp reaches), and zero gradients through the output;
     jax.nn's XLA path instead returns the mean of v there.
 
   Raises:
@@ -111,10 +112,11 @@ def dot_product_attention(
       key_value_segment_ids=key_value_segment_ids,
       logits_soft_cap=logits_soft_cap, sinks=sinks, deterministic=deterministic)
 
-  if p.q.size == 0 or p.k.shape[1] == 0:
+  B, Tq, N, D = p.q.shape
+  if B * Tq * N == 0 or p.k.shape[1] == 0:
     # Nothing to launch: every row sees no key (or there are no rows).
     o, lse = _empty(p)
-  elif _dispatch.choose(p, implementation) == "mosaic":
+  elif D > 0 and _dispatch.choose(p, implementation) == "mosaic":
     static = KernelArgs(scale=p.scale, spec=p.spec,
                         interpret=_dispatch.interpret_params(),
                         softcap=p.logits_soft_cap, deterministic=p.deterministic)
@@ -128,7 +130,7 @@ def dot_product_attention(
                     p.query_segment_ids, kv_ids, p.sinks)
     o, lse = mosaic_attention(p.q, k, v, extras, static)
     lse = lse.transpose(0, 2, 1)
-  else:
+  else:  # The XLA path; also head_dim 0 (all logits 0, no kernel to launch).
     o, lse = attention_reference(
         p.q, p.k, p.v, scale=p.scale, spec=p.spec, bias=p.bias, mask=p.mask,
         query_seq_lengths=p.query_seq_lengths,
@@ -166,7 +168,7 @@ def _seen_keys(spec: MaskSpec, q_len: int, kv_len: int) -> tuple[int, int] | Non
 
 
 def _empty(p: _validate.Problem):
-  """Output and logsumexp when Tq, Tk, B, N or D is zero (no kernel launch)."""
+  """Output and logsumexp when Tq, Tk, B or N is zero (no kernel launch)."""
   B, Tq, N, _ = p.q.shape
   o = jnp.zeros(p.q.shape, p.q.dtype)
   lse = jnp.full((B, Tq, N), -jnp.inf, jnp.float32)
