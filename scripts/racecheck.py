@@ -3,6 +3,7 @@
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
 then the persistent forward (plain, causal) with 2 CTAs looping over the work items,
+causal D=64's default (256-key tiles, a 2-slot ring that wraps, persistent),
 the forward with overlapped softmax (grid, persistent), the other ping-pong modes, exp2 on the FMA pipes,
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
 and both backwards in the plain matmul order (overlap_matmuls=False).
@@ -66,6 +67,16 @@ for mode in ("handoff", "off"):
         config=ForwardConfig(block_kv=64, pingpong=mode, persistent=persistent, num_sms=2))
     print(f"ping-pong {mode}, persistent={persistent}: finite "
           f"{bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+# Causal D=64's default (ninth session): 256-key tiles in a 2-slot ring that
+# wraps (600 keys: 3 tiles), persistent, 2 CTAs with 2 items each.
+k6 = jax.random.normal(ks[1], (1, 600, 1, 64), jnp.bfloat16)
+q6 = jax.random.normal(ks[0], (1, 256, 2, 64), jnp.bfloat16)
+o, lse = attention_forward(
+    q6, k6, k6, scale=0.125, mask=MaskSpec(causal=True, alignment="bottom_right"),
+    config=ForwardConfig(block_kv=256, num_stages=2, reverse_q_tiles=True, persistent=True,
+                         num_sms=2))
+print(f"causal 256-key persistent ring: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 # Part of each tile's exp2 on the FMA pipes (ForwardConfig.exp2_fma_cols).
 o, lse = attention_forward(q, k, v, scale=0.125,

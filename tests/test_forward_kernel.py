@@ -292,6 +292,11 @@ def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask):
      ForwardConfig(block_kv=64, num_stages=2, pingpong="handoff")),
     (1, 190, 300, 1, 1, 64, W(window_left=50, window_right=20),
      ForwardConfig(block_kv=64, num_stages=1)),
+    # Causal D=64's default since the ninth session: 256-key tiles, a 2-slot
+    # ring that wraps (3 key tiles), persistent CTAs with 2 items each.
+    (1, 256, 600, 2, 1, 64, CAUSAL_BR,
+     ForwardConfig(block_kv=256, num_stages=2, reverse_q_tiles=True, persistent=True,
+                   num_sms=2)),
 ])
 def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
   q, k, v = make_qkv(jax.random.key(7), B, Tq, Tk, N, K, D, jnp.bfloat16)

@@ -149,6 +149,21 @@ def test_context_parallel_rejects_bad_arguments():
     context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="ctx", local_window_size=3)
   with pytest.raises(ValueError, match="rank 4"):
     context_parallel_attention(q[0], k[0], v[0], mesh=mesh, sequence_axis="ctx")
+  q3 = np.asarray(q[0]).tolist()  # A rank-3 list: refused as a rank-3 array is.
+  with pytest.raises(ValueError, match="rank 4"):
+    context_parallel_attention(q3, q3, q3, mesh=mesh, sequence_axis="ctx")
+  with pytest.raises(ValueError, match="local_window_size"):  # Not a left window.
+    context_parallel_attention(q, k, v, mesh=mesh, sequence_axis="ctx", is_causal=True,
+                               local_window_size=(3, 2))
+
+
+def test_context_parallel_takes_the_windows_dot_product_attention_takes():
+  q, k, v = _qkv(B=1, T=32, N=2, K=2)
+  want = flash3.dot_product_attention(q, k, v, is_causal=True, local_window_size=5,
+                                      implementation="xla")
+  for window in [5, (5, 0), jnp.array(5), (np.int64(5), jnp.array(0))]:
+    got = _cp_call(q, k, v, is_causal=True, local_window_size=window, layout="contiguous")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
 
 
 @pytest.mark.parametrize("softcap", [None, 20.0])

@@ -187,7 +187,8 @@ def test_window_of_non_ints_is_a_type_error(window):
 
 def test_window_takes_concrete_integer_scalars():
   want = call(local_window_size=(2, 1))
-  for window in [(np.int64(2), jnp.array(1)), (jnp.array(2, jnp.int32), 1)]:
+  for window in [(np.int64(2), jnp.array(1)), (jnp.array(2, jnp.int32), 1),
+                 (np.array(2), np.array(1, np.uint8))]:
     np.testing.assert_array_equal(np.asarray(call(local_window_size=window)),
                                   np.asarray(want))
 
@@ -199,13 +200,15 @@ def test_traced_lengths_out_of_range_are_clamped():
   f = jax.jit(lambda lq, lk: call(q, k, v, is_causal=True, causal_alignment="bottom_right",
                                   query_seq_lengths=lq, key_value_seq_lengths=lk,
                                   return_residual=True))
-  o, lse = f(jnp.array([99, 99]), jnp.array([99, -3]))
+  o, lse = f(jnp.array([99, -3]), jnp.array([99, TK]))
   full_o, full_lse = call(q, k, v, is_causal=True, causal_alignment="bottom_right",
                           return_residual=True)
   # (jit may round differently from the eager call: 1 ulp.)
   np.testing.assert_allclose(np.asarray(o[0]), np.asarray(full_o[0]), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(lse[0]), np.asarray(full_lse[0]), rtol=1e-6)
-  assert np.all(np.asarray(lse[1]) == -np.inf)  # kv length -3 -> 0: no key seen
+  # Query length -3 -> 0: every row is padding (unclamped, bottom_right's
+  # shift Tk - (-3) would let every row see every key).
+  assert np.all(np.asarray(lse[1]) == -np.inf)
   assert np.all(np.asarray(o[1]) == 0)
 
 
@@ -362,6 +365,33 @@ def test_head_dim_zero_sees_its_keys(implementation):
   want = np.where(seen > 0, np.log(np.maximum(seen, 1)), -np.inf)
   np.testing.assert_allclose(np.asarray(lse), np.broadcast_to(want[..., None], lse.shape),
                              rtol=1e-6)
+
+
+def test_head_dim_zero_has_zero_gradients():
+  q, k, v = qkv(d=0)
+  sinks = np.array([0.5, 1.0, -1.0, 0.0], np.float32)
+  def loss(q, k, v, sinks):
+    o, lse = call(q, k, v, sinks=sinks, is_causal=True, return_residual=True)
+    return jnp.sum(o) + jnp.sum(lse)
+  dq, dk, dv, dsinks = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+  # lse = log(n + exp(sink)) per row: d/dsink = exp(sink) / (n + exp(sink)).
+  n = np.arange(TQ) + 1  # top_left causal: row i sees i + 1 keys
+  want = B * (np.exp(sinks)[None] / (n[:, None] + np.exp(sinks)[None])).sum(0)
+  np.testing.assert_allclose(np.asarray(dsinks), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ([[[[1.0, 2.0]], [[1.0]]]], "rectangular"),   # ragged
+    ([[[["a"]]]], "dtype"),                        # strings
+    ([[[[2 ** 40]]]], "query"),                    # integers (past int32 too)
+])
+def test_query_lists_that_are_not_float_arrays(bad, fragment):
+  k = np.zeros((1, 1, 1, 1), np.float32)
+  with pytest.raises(TypeError, match="query") as info:
+    flash3.dot_product_attention(bad, k, k, implementation="xla")
+  assert fragment in str(info.value)
+  assert "flash3" in str(info.traceback[-1].path)
 
 
 def test_query_key_value_as_python_lists():

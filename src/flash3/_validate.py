@@ -1,7 +1,8 @@
 """Input checking for flash3.dot_product_attention, before anything is traced.
 
 Every error names the argument, its value and what is allowed: ValueError for
-shapes and values, TypeError for dtypes.
+shapes and values, TypeError for dtypes and for arguments of the wrong kind (a
+string or traced scale, a float window, a list that is not an array).
 """
 
 from __future__ import annotations
@@ -61,9 +62,24 @@ def _is_concrete(x) -> bool:
 
 
 def _check_float(name: str, x) -> None:
-  if _dtype(x) not in FLOAT_DTYPES:
+  try:
+    dtype = _dtype(x)
+  except TypeError:  # e.g. NumPy strings, which jax has no dtype for
+    dtype = getattr(x, "dtype", type(x).__name__)
+  if dtype not in FLOAT_DTYPES:
     raise TypeError(
-        f"{name} has dtype {_dtype(x)}; allowed: float16, bfloat16, float32")
+        f"{name} has dtype {dtype}; allowed: float16, bfloat16, float32")
+
+
+def _array_from_list(name: str, x):
+  """A list or tuple of numbers as an array (NumPy, or jax when it holds
+  tracers); a ragged or non-numeric one is refused naming the argument."""
+  try:
+    return _host_or_traced(x)
+  except (ValueError, TypeError, OverflowError) as e:
+    raise TypeError(
+        f"{name} is a {type(x).__name__} that is not a rectangular array of numbers "
+        f"({e}); allowed: a jax or NumPy array, or nested lists of floats") from None
 
 
 def _check_int(name: str, x) -> None:
@@ -97,7 +113,7 @@ def _static_int(x) -> int | None:
   or a concrete 0-d jax integer), else None; bools are not integers here."""
   if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
     return operator.index(x)
-  if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  if (isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
       and x.shape == () and jnp.issubdtype(x.dtype, jnp.integer)):
     return operator.index(x)
   return None
@@ -235,8 +251,9 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   query_segment_ids = as_host(query_segment_ids)
   key_value_segment_ids = as_host(key_value_segment_ids)
 
-  query, key, value = as_array(query), as_array(key), as_array(value)
   names = ("query", "key", "value")
+  query, key, value = (_array_from_list(name, x) if isinstance(x, (list, tuple)) else x
+                       for name, x in zip(names, (query, key, value)))
   arrays = (query, key, value)
   for name, x in zip(names, arrays):
     if not hasattr(x, "shape"):

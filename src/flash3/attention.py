@@ -98,7 +98,9 @@ def dot_product_attention(
   Raises:
     ValueError: a shape or value is not allowed (the message names the
       argument, its value and what is allowed).
-    TypeError: a dtype is not allowed.
+    TypeError: a dtype is not allowed, or an argument is of the wrong kind
+      (a non-number or traced scale or soft cap, a window that is not ints,
+      a list that is not a rectangular array of numbers).
     NotImplementedError: implementation="mosaic" cannot run this call (not a
       Hopper GPU, or an option the kernels do not support yet); says which.
   """

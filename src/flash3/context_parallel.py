@@ -114,8 +114,8 @@ def context_parallel_attention(
       without is_causal, an unknown layout, mesh axes that are not distinct
       axes of the mesh, or T, B, K or N not divisible by the size of the mesh
       axis (2 * size for zigzag T) that splits it.
-    TypeError: a dtype ``flash3.dot_product_attention`` refuses, or q, k, v
-      that are not arrays.
+    TypeError: a dtype or argument ``flash3.dot_product_attention`` refuses
+      (q, k, v that are neither arrays nor rectangular lists of numbers).
     NotImplementedError: a head_axis when the Mosaic GPU kernels would run
       (head-split kernel calls are refused for now; docs/multi_gpu.md).
   """
@@ -208,10 +208,15 @@ def _check(query, key, value, *, mesh, sequence_axis, batch_axis, head_axis,
     raise ValueError(
         f"query has T={Tq} and key T={Tk}; allowed: equal lengths (context "
         "parallelism here is for self-attention)")
-  window = local_window_size
-  if isinstance(window, (tuple, list)) and len(window) == 2 and window[1] == 0:
-    window = window[0]  # (left, 0) is the causal left window.
-  if window is not None and (not p.spec.causal or not isinstance(window, (int, np.integer))):
+  if p.unbatched:  # A rank-3 list (arrays were refused above).
+    raise ValueError(
+        f"query has shape {p.q.shape[1:]} (rank 3); allowed: rank 4 (B, T, heads, D) "
+        "(context parallelism shards the batch and sequence axes)")
+  # Only a causal left window: an int w (the causal mask clips its right side)
+  # or (left, 0), as validated above.
+  pair = isinstance(local_window_size, (tuple, list))
+  if local_window_size is not None and (
+      not p.spec.causal or (pair and p.spec.window_right != 0)):
     raise ValueError(
         f"local_window_size={local_window_size!r}; allowed: None, or an int left "
         "window (or (left, 0)) together with is_causal=True")

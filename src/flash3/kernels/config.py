@@ -239,7 +239,8 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
     return (head_dim <= 128 and span <= 2048) or (head_dim <= 64 and span <= 4096)
   if mask.causal:
     # Ninth session: with the meeting ping-pong and 256-key tiles, causal
-    # D=64 ran 3-9% faster persistent at T 1024-16384.
+    # D=64 ran faster persistent than in the grid: +21% at T=1024, +7% at
+    # 4096, +2-7% at 16384.
     return head_dim <= 64 or (head_dim <= 128 and kv_len <= 512)
   return (head_dim <= 128 and kv_len <= 2048) or (head_dim <= 64 and kv_len <= 4096)
 
@@ -264,7 +265,7 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
     dtype: float16 or bfloat16 (both 2 bytes; the choice does not depend on it).
     mask: the MaskSpec; causal masks launch the longest query tiles first,
       and at D=64 take 256-key tiles in a 2-slot ring, persistent (ninth
-      session: 1.01-1.09x cuDNN at T 4096-16384, against 0.88-0.95 with the
+      session: 0.99-1.07x cuDNN at T 4096-16384, against 0.90-0.95 with the
       128-key grid kernel); windows take 128-key tiles up to D=128.
     q_len, kv_len: Tq and Tk.
     interpret: the ring is shrunk until interpret mode's P staging buffer
@@ -280,7 +281,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
     block_kv, stages = 128, 2
   else:
     block_kv, stages = 64, 2
-  windowed = mask.window_left is not None or mask.window_right is not None
+  # A window that binds (one that spans every key is judged as no window).
+  windowed = window_key_span(mask, kv_len) is not None
   if windowed and head_dim <= 128:
     block_kv = 128
   # Never ring more tiles than there are keys.
@@ -289,7 +291,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   persistent = _prefers_persistent(head_dim, mask, kv_len)
   if persistent and head_dim <= 64:
     stages = min(stages, 2)  # The persistent sweep's best at D=64.
-  # The meeting ping-pong gained 1-5% at D=64, even at D=128; the hand-off
+  # The meeting ping-pong gained 1-5% at D=64 (on 9 of 10 shapes; causal
+  # T=16384 lost 2%), even at D=128; the hand-off
   # kept D=256 0.5-1.4% faster (ninth session, docs/benchmarks/h200/
   # 2026-12-01-s9/tune.md).
   pingpong = "handoff" if head_dim > 128 else "meeting"
