@@ -1277,6 +1277,9 @@ def test_select_implementations():
       "flash3", "cudnn", "xla", "jax-mgpu", "tokamax"]
   assert [i.name for i in impls.select(["tokamax", "cudnn"])] == [
       "cudnn", "tokamax"]
+  # The determinism counterparts run only when named.
+  assert [i.name for i in impls.select(["flash3-nondet", "cudnn-det", "cudnn"])] == [
+      "cudnn", "cudnn-det", "flash3-nondet"]
   with pytest.raises(ValueError, match="unknown"):
     impls.select(["cuda"])
 
@@ -1339,6 +1342,40 @@ def test_flash3_contender_passes_lengths_and_segment_ids(monkeypatch):
   assert seen["query_segment_ids"].shape == (2, 64)
   assert seen["query_seq_lengths"] is seen["key_value_seq_lengths"]
   assert seen["query_seq_lengths"].tolist() == [64, 30]
+
+
+def test_determinism_counterparts(monkeypatch):
+  """cudnn-det is cuDNN compiled with XLA's deterministic ops; flash3-nondet
+  calls flash3 with deterministic=False and records that backward config."""
+  case = Case("t", 2, 64, 64, 2, 2, 64, causal=False)
+  (plain,) = impls.IMPLEMENTATIONS["cudnn"].variants(case, True)
+  (det,) = impls.IMPLEMENTATIONS["cudnn-det"].variants(case, True)
+  assert plain.compiler_options == () and dict(det.compiler_options) == {
+      "xla_gpu_deterministic_ops": True}
+  assert "deterministic_ops" in det.config
+  seen = {}
+  monkeypatch.setattr(flash3, "dot_product_attention",
+                      lambda q, k, v, **kw: seen.update(kw) or q)
+  (nondet,) = impls.IMPLEMENTATIONS["flash3-nondet"].variants(case, True)
+  q = jnp.zeros((2, 64, 2, 64))
+  nondet.fn(q, q, q, *nondet.aux)
+  assert seen["deterministic"] is False and seen["implementation"] == "mosaic"
+  assert "deterministic=False" in nondet.config
+  (default,) = impls.IMPLEMENTATIONS["flash3"].variants(case, True)
+  default.fn(q, q, q, *default.aux)
+  assert seen["deterministic"] is True and "deterministic=True" in default.config
+
+
+def test_timed_function_is_compiled_with_the_variant_options():
+  case = Case("t", 1, 32, 32, 2, 2, 16, "bfloat16")
+  (variant,) = impls.IMPLEMENTATIONS["xla"].variants(case, True)
+  x = jnp.zeros((1, 32, 2, 16), jnp.bfloat16)
+  args = (x, x, x, x, *variant.aux)
+  det = dataclasses.replace(variant, compiler_options=impls.DETERMINISTIC_OPS)
+  runner.compile_function(det, "fwd+bwd", args)  # An XLA option: accepted.
+  bogus = dataclasses.replace(variant, compiler_options=(("no_such_xla_option", 1),))
+  with pytest.raises(Exception, match="no_such_xla_option"):
+    runner.compile_function(bogus, "fwd", args)
 
 
 def test_tokamax_gets_jax_nn_arguments(monkeypatch):

@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "--out directories (of a run that was cut off); "
                       "combine the outputs with --merge")
   p.add_argument("--impls", type=_csv(), default=None,
-                 help="comma-separated contenders (default all): flash3, "
-                      "cudnn, xla, jax-mgpu, tokamax")
+                 help="comma-separated contenders (default: flash3, cudnn, xla, "
+                      "jax-mgpu, tokamax); also cudnn-det (cuDNN's deterministic "
+                      "backward) and flash3-nondet (deterministic=False)")
   p.add_argument("--modes", type=_csv(MODES), default=MODES,
                  help="fwd and/or fwd+bwd (bwd is derived from both)")
   p.add_argument("--iterations", type=int, default=None,
@@ -349,7 +350,7 @@ def _main(argv: list[str] | None) -> int:
           not args.no_plots)
     return 0
   if args.skip_done:
-    names = list(args.impls or implementations.IMPLEMENTATIONS)
+    names = [i.name for i in impls]
     before = len(selected)
     selected = skip_done(selected, row_lists, names, tuple(args.modes))
     print(f"flash3-bench: --skip-done: {before - len(selected)} of {before} "
@@ -357,7 +358,7 @@ def _main(argv: list[str] | None) -> int:
   if args.list:
     for case in selected:
       print(f"{case.suite:6s} {case.label()}")
-      if "flash3" in (args.impls or implementations.IMPLEMENTATIONS):
+      if "flash3" in [i.name for i in impls]:
         print(f"       flash3: {implementations.flash3_configs(case)}")
     shard = ("" if args.shard is None
              else f" (shard {args.shard[0]}/{args.shard[1]})")

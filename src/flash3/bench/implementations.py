@@ -11,6 +11,18 @@
 * ``tokamax``: ``tokamax.dot_product_attention(implementation="mosaic")`` when
   ``import tokamax`` works.
 
+Two more, only when named in ``--impls`` (not in the default set): backward
+determinism differs between contenders. XLA runs cuDNN's flash-attention
+backward in its non-deterministic form (dq by atomics) unless
+``xla_gpu_deterministic_ops`` is set (openxla/xla#14125), while flash3's
+default backward is deterministic.
+
+* ``cudnn-det``: ``cudnn`` compiled with ``xla_gpu_deterministic_ops=True``
+  (cuDNN's deterministic backward): the like-for-like rival of ``flash3``.
+* ``flash3-nondet``: ``flash3`` with ``deterministic=False`` (the single-
+  kernel backward with dq by float32 atomics where it is faster): the
+  like-for-like rival of ``cudnn``.
+
 Packed documents go to the contenders without segment ids as a dense boolean
 mask (B, 1, T, T) built outside the timed function. Padding lengths go to
 each contender that takes them as query_seq_lengths and
@@ -48,6 +60,8 @@ class Variant:
     q_scale: the contender is fed ``q * q_scale`` (1.0 = plain q).
     config: the kernel configs it runs, recorded with its results (flash3:
       what its heuristics pick, ``flash3_configs``).
+    compiler_options: XLA options its timed function is compiled with
+      (``jax.jit(..., compiler_options=...)``), e.g. deterministic ops.
   """
 
   label: str
@@ -55,6 +69,7 @@ class Variant:
   aux: tuple = ()
   q_scale: float = 1.0
   config: str = ""  # The kernel config it runs, where the contender says.
+  compiler_options: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +78,7 @@ class Implementation:
   description: str
   unavailable: Callable[[], str | None]
   variants: Callable[..., list[Variant]]  # (case, tune: bool) -> variants
+  default: bool = True  # In the set run when --impls is not given.
 
 
 def _dense_mask(case):
@@ -100,7 +116,7 @@ def _flash3_unavailable():
   return None
 
 
-def flash3_configs(case) -> str:
+def flash3_configs(case, deterministic: bool = True) -> str:
   """The kernel configs flash3's heuristics pick for ``case``, which is what
   ``dot_product_attention`` runs: "fwd ForwardConfig(...); bwd
   BackwardConfig(...)", every field. Host-side arithmetic only (no GPU
@@ -111,22 +127,24 @@ def flash3_configs(case) -> str:
   fwd = default_config(case.head_dim, jnp.dtype(case.dtype), spec, case.q_len,
                        case.kv_len)
   # The backward runs D as given (only the forward pads it).
-  bwd = BackwardConfig.heuristic(case.head_dim, case.q_len, case.kv_len, spec)
+  bwd = BackwardConfig.heuristic(case.head_dim, case.q_len, case.kv_len, spec,
+                                 deterministic=deterministic)
   return f"fwd {fwd}; bwd {bwd}"
 
 
-def _flash3_variants(case, tune):
+def _flash3_variants(case, tune, deterministic=True):
   del tune
   import flash3
   f = functools.partial(flash3.dot_product_attention, is_causal=case.causal,
-                        local_window_size=case.window, implementation="mosaic")
+                        local_window_size=case.window, implementation="mosaic",
+                        deterministic=deterministic)
   keywords, arrays = [], []
   if case.num_docs is not None:
     keywords.append(("query_segment_ids", "key_value_segment_ids"))
     arrays.append(jnp.asarray(case.segment_ids()))
   _lengths_aux(case, keywords, arrays)
-  return [dataclasses.replace(_with_aux(f, "", keywords, arrays),
-                              config=flash3_configs(case))]
+  config = flash3_configs(case, deterministic)
+  return [dataclasses.replace(_with_aux(f, "", keywords, arrays), config=config)]
 
 
 # ----- jax.nn: cuDNN and XLA --------------------------------------------------
@@ -153,6 +171,15 @@ def _jax_nn_like(f, case) -> Variant:
 def _cudnn_variants(case, tune):
   del tune
   return _jax_nn_variants(case, "cudnn")
+
+
+DETERMINISTIC_OPS = (("xla_gpu_deterministic_ops", True),)
+
+
+def _cudnn_det_variants(case, tune):
+  return [dataclasses.replace(v, compiler_options=DETERMINISTIC_OPS,
+                              config="xla_gpu_deterministic_ops=True")
+          for v in _cudnn_variants(case, tune)]
 
 
 def device_memory_bytes() -> int:
@@ -263,19 +290,27 @@ IMPLEMENTATIONS = {
                        _mgpu_unavailable, _mgpu_variants),
         Implementation("tokamax", "tokamax Mosaic GPU attention",
                        _tokamax_unavailable, _tokamax_variants),
+        Implementation("cudnn-det", "cuDNN with XLA's deterministic ops (its "
+                       "deterministic backward)", lambda: None, _cudnn_det_variants,
+                       default=False),
+        Implementation("flash3-nondet", "flash3 with deterministic=False (dq by "
+                       "atomics where faster)", _flash3_unavailable,
+                       functools.partial(_flash3_variants, deterministic=False),
+                       default=False),
     )
 }
 BASELINE = "cudnn"  # Ratios in the table are to this one.
 
 
 def select(names: list[str] | None) -> list[Implementation]:
-  """The implementations named (all when None), in the registry's order.
+  """The implementations named (the default set when None), in the
+  registry's order.
 
   Raises:
     ValueError: for a name not in the registry.
   """
   if names is None:
-    return list(IMPLEMENTATIONS.values())
+    return [i for i in IMPLEMENTATIONS.values() if i.default]
   unknown = [n for n in names if n not in IMPLEMENTATIONS]
   if unknown:
     raise ValueError(f"unknown implementation(s) {unknown}; choose from "

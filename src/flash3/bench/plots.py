@@ -39,7 +39,7 @@ def figure_groups(results: Iterable[Result]) -> dict[tuple, list[Result]]:
 
 # One colour per contender in every panel and figure (matplotlib's default
 # cycle would restart per panel, so one colour would mean different contenders).
-_KNOWN_IMPLS = ("cudnn", "flash3", "jax-mgpu", "tokamax", "xla")
+_KNOWN_IMPLS = ("cudnn", "flash3", "jax-mgpu", "tokamax", "xla", "cudnn-det", "flash3-nondet")
 
 
 def impl_color(impl: str, impls: list[str]) -> str:

@@ -81,6 +81,8 @@ def timed_function(variant: impls.Variant, mode: str) -> Callable:
     def run(q, k, v, do, *aux):
       _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *aux), q, k, v)
       return tuple(vjp(do))
+  if variant.compiler_options:
+    return jax.jit(run, compiler_options=dict(variant.compiler_options))
   return jax.jit(run)
 
 
