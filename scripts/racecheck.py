@@ -93,6 +93,11 @@ o, lse = attention_forward(q, k, v, scale=0.125, mask=mask)
 dq, dk, dv = attention_backward(q, k, v, o, lse, o, scale=0.125, mask=mask,
                                 config=BackwardConfig(block_q_dkv=64, deterministic=False))
 print(f"single-kernel backward: finite {bool(jnp.isfinite(dq.astype(jnp.float32)).all())}")
+dq5, _, _ = attention_backward(
+    q, k, v, o, lse, o, scale=0.125, mask=mask,
+    config=BackwardConfig(block_q_dkv=64, deterministic=False, pair_dq=True))
+print(f"single-kernel backward, dq paired with dk: finite "
+      f"{bool(jnp.isfinite(dq5.astype(jnp.float32)).all())}")
 
 # The same with the warpgroups sharing each query tile's dq (share_dq, D = 128).
 q2, k2, v2 = (jax.random.normal(kk, (1, s, n, 128), jnp.bfloat16)

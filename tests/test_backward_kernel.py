@@ -1139,6 +1139,44 @@ def test_overlap_matmuls_is_a_checked_bool():
     BackwardConfig(overlap_matmuls=1)
 
 
+# BackwardConfig.pair_dq: the single-kernel backward's dq matmul issued beside
+# dk's (ninth session, after its device time: lowering checked here; the GPU
+# test below waits for an H200).
+PAIR_DQ = dict(deterministic=False, block_q_dkv=64, pair_dq=True)
+
+
+def test_pair_dq_is_checked():
+  with pytest.raises(ValueError, match="pair_dq"):
+    BackwardConfig(pair_dq=1)
+  for bad in (dict(), dict(deterministic=False, block_q_dkv=64, share_dq=True),
+              dict(deterministic=False, block_q_dkv=64, overlap_matmuls=False)):
+    with pytest.raises(ValueError, match="pair_dq=True needs"):
+      BackwardConfig(pair_dq=True, **bad)
+  assert BackwardConfig(**PAIR_DQ).pair_dq
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("feature", ["none", "softcap", "segments", "lengths"])
+def test_pair_dq_cross_lowers_for_cuda(D, feature):
+  """The paired dq lowers for the GPU with every option, and its Mosaic GPU
+  module differs from the unpaired one's (the knob reaches the kernel)."""
+  base = dataclasses.replace(BackwardConfig.heuristic(D, 200, 136, CAUSAL_BR),
+                             deterministic=False, block_q_dkv=64, share_dq=False)
+  opts = {} if feature == "none" else CROSS_LOWER_OPTIONS[feature]
+  texts = []
+  for pair in (False, True):
+    config = dataclasses.replace(base, pair_dq=pair)
+    B, Tq, Tk, N, K = 2, 200, 136, 4, 2
+    q, k, v, do = make_inputs(jax.random.key(0), B, Tq, Tk, N, K, D, BF16)
+    lse = jnp.zeros((B, N, Tq), jnp.float32)
+    arrays = {n: x for n, x in _as_arrays(opts).items() if n in OPTION_NAMES}
+    f = functools.partial(attention_backward, scale=0.1, mask=CAUSAL_BR, config=config,
+                          softcap=opts.get("softcap"))
+    texts.append(jax.jit(f).trace(q, k, v, q, lse, do, **arrays).lower(
+        lowering_platforms=("cuda",)).as_text())
+  assert texts[0] != texts[1]
+
+
 @pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_TL, CAUSAL_BR], ids=["full", "tl", "br"])
 def test_segment_tile_plans_cover_mask_and_skip(mask):
   """Host-side: both kernels' tile plans with segment ranges and lengths visit
@@ -1412,6 +1450,25 @@ def test_gpu_overlap_matmuls(B, Tq, Tk, N, K, D, dtype, mask, kw):
     if name in names:
       np.testing.assert_array_equal(np.asarray(a, np.float32),
                                     np.asarray(b, np.float32), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", [
+    (1, 1024, 1024, 4, 2, 64, BF16, CAUSAL_BR),
+    (2, 4224, 4224, 4, 4, 128, BF16, NO_MASK),
+    (1, 799, 3, 2, 2, 64, F16, NO_MASK),
+    (1, 2000, 2000, 2, 1, 128, BF16, W(window_left=300, window_right=0))])
+def test_gpu_pair_dq(B, Tq, Tk, N, K, D, dtype, mask):
+  """BackwardConfig.pair_dq: against the reference, and dk, dv bitwise equal
+  to the unpaired single kernel's (dq is a float32 atomic sum either way)."""
+  base = dataclasses.replace(BackwardConfig.heuristic(D, Tq, Tk, mask),
+                             deterministic=False, block_q_dkv=64, share_dq=False)
+  config = dataclasses.replace(base, pair_dq=True)
+  q, k, v, do, grads = check(B, Tq, Tk, N, K, D, dtype, mask, config=config, seed=Tq)
+  plain = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=base)
+  for name, a, b in zip(("dk", "dv"), grads[1:], plain[1:]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32), err_msg=name)
 
 
 @pytest.mark.gpu

@@ -157,6 +157,12 @@ class BackwardConfig:
       unit (kernels/exp2.py): 0 (default) or a multiple of 16 up to both
       tiles' widths. An A/B knob: on an H200 (ninth session) 16 and 32
       columns were 1.5-12% slower at head_dim 64 and 128; its GPU tests pass.
+    pair_dq: with ``deterministic`` False (one dq tile per warpgroup, not
+      ``share_dq``) and the overlapped order, issue dq = ds k right after
+      dk += dsT q and wait for both at once, as FlashAttention-3 does, instead
+      of a separate matmul and wait after dk's (``_add_dq_tile``). GPU path
+      only. An A/B knob written in the ninth session after its device time:
+      CUDA lowering checked on the CPU, not yet run on a GPU.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -176,6 +182,7 @@ class BackwardConfig:
   share_dq: bool = False
   overlap_matmuls: bool = True
   exp2_fma_cols: int = 0
+  pair_dq: bool = False
   compute_registers: int = 232
   producer_registers: int = 40
 
@@ -189,8 +196,13 @@ class BackwardConfig:
     check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0,
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
-                 "share_dq", "overlap_matmuls"):
+                 "share_dq", "overlap_matmuls", "pair_dq"):
       check_bool(name, getattr(self, name))
+    if self.pair_dq and (self.deterministic or self.share_dq or not self.overlap_matmuls):
+      raise ValueError(
+          f"pair_dq=True needs deterministic=False, share_dq=False and "
+          f"overlap_matmuls=True; got deterministic={self.deterministic}, "
+          f"share_dq={self.share_dq}, overlap_matmuls={self.overlap_matmuls}")
     if self.share_dq and (self.deterministic or self.compute_wgs_dkv != 2):
       raise ValueError(
           f"share_dq=True needs deterministic=False and compute_wgs_dkv=2 (two "
@@ -668,6 +680,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   overlap = config.overlap_matmuls and not staged and want_dk and want_dv
+  # config.pair_dq: the overlapped order's dq product joins dk's wait.
+  pair = overlap and config.pair_dq and dq_mode is not None and not config.share_dq
   # config.share_dq: warpgroup w forms columns [w * half, (w + 1) * half) of
   # each query tile's dq from every warpgroup's dsT (double-buffered by step
   # parity in ds_smem2[parity * wgs + warpgroup]).
@@ -791,10 +805,12 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                                   fma_cols=config.exp2_fma_cols, guard=staged)
           return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
 
+        dq_rows = lambda: (b, pl.ds(t * bq, bq), kv_head * group + g)
+
         def add_dq(ds16):
           """dq += ds k (deterministic=False); reads only k and dsT, so it
           runs after the slot's release."""
-          rows = (b, pl.ds(t * bq, bq), kv_head * group + g)
+          rows = dq_rows()
           if share:
             share_dq_tile(ds16, head_base + t - cta_lo, rows)
           elif dq_mode is not None:
@@ -819,9 +835,19 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
               (k_smem, q_smem.transpose((1, 0)), shape),
               (v_smem, do_smem.transpose((1, 0)), shape), probabilities,
               _score_like(shape, softcap))
+          make_ds = lambda: ds_of(pT, dpT, th).astype(dtype)
+          if pair:
+            # dq = ds k issued right after dk += dsT q; one wait for all three.
+            dv, dk, _, part = common.accumulate_pair(
+                dv, pT.astype(dtype), do_smem, dk, make_ds, q_smem,
+                product=(ds_smem2.at[wg], k_smem))
+            plgpu.barrier_arrive(consumed.at[slot])
+            _store_dq_tile(part, dq_stage2.at[wg], dq_rows(),
+                           dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
+                           slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+            return dk, dv
           dv, dk, dsT16 = common.accumulate_pair(
-              dv, pT.astype(dtype), do_smem, dk,
-              lambda: ds_of(pT, dpT, th).astype(dtype), q_smem)
+              dv, pT.astype(dtype), do_smem, dk, make_ds, q_smem)
           plgpu.barrier_arrive(consumed.at[slot])
           add_dq(dsT16)
           return dk, dv
@@ -999,6 +1025,14 @@ def _add_dq_tile(ds, ds_smem, dq_stage, k_smem, rows, *, dq_acc, dq_parts, slot)
   plgpu.commit_smem()
   part = common.matmul_smem(ds_smem.transpose((1, 0)), k_smem,
                             (ds.shape[1], k_smem.shape[1]))
+  _store_dq_tile(part, dq_stage, rows, dq_acc=dq_acc, dq_parts=dq_parts, slot=slot)
+
+
+def _store_dq_tile(part, dq_stage, rows, *, dq_acc, dq_parts, slot):
+  """Sends one float32 dq tile ``part`` (query rows x D) by TMA through
+  ``dq_stage``: a reduce-add into ``dq_acc`` (GPU), or a plain store into
+  slice ``slot`` of ``dq_parts`` (interpret mode). The previous tile's store
+  must have read ``dq_stage`` first."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   dq_stage[...] = part
   plgpu.commit_smem()
