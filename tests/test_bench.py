@@ -480,7 +480,7 @@ def test_one_small_shape_end_to_end_on_hopper(tmp_path):
   cudnn = {r.mode: r for r in rows if r.impl == "cudnn"}
   assert cudnn["fwd"].status == "ok" and cudnn["fwd"].tflops > 1
   assert cudnn["fwd"].check_ratio <= 1.0 and len(cudnn["fwd"].times_ms) == 2
-  assert {r.impl for r in rows} == set(impls.IMPLEMENTATIONS)
+  assert {r.impl for r in rows} == {i.name for i in impls.select(None)}
   assert (out / "plots" / "single_float16_fwd.png").exists()
 
 
@@ -610,6 +610,20 @@ def test_headline_gives_geometric_means_and_wins():
   one = [r for r in rows if r.head_dim == 128]
   assert "| all |" not in report.headline(one)
   assert report.headline([r for r in rows if r.status != "ok"]) == ""
+
+
+def test_headline_wins_do_not_count_the_subjects_own_variants():
+  # flash3-nondet, faster than flash3 on every case, is no rival of flash3's;
+  # cudnn-det, slower, is.
+  rows = []
+  for t in (1024, 4096):
+    rows += [_row("cudnn", "fwd", t, 1.0), _row("flash3", "fwd", t, 0.9),
+             _row("flash3-nondet", "fwd", t, 0.5), _row("cudnn-det", "fwd", t, 1.2)]
+  results_lib.add_ratios(rows, "cudnn")
+  text = report.headline(rows)
+  assert "- fa3 fwd: 2 of 2 cases" in text
+  rows = [r for r in rows if r.impl.startswith("flash3")]  # No rival ran.
+  assert "of 2 cases" not in report.headline(rows)
 
 
 def test_markdown_lists_the_subjects_configs_once_per_case():
@@ -1364,6 +1378,23 @@ def test_determinism_counterparts(monkeypatch):
   (default,) = impls.IMPLEMENTATIONS["flash3"].variants(case, True)
   default.fn(q, q, q, *default.aux)
   assert seen["deterministic"] is True and "deterministic=True" in default.config
+
+
+@pytest.mark.gpu
+def test_cudnn_det_backward_is_reproducible():
+  """cudnn-det's compiler option must reach cuDNN: its dq, a sum over many key
+  tiles, is bitwise the same run to run (cuDNN's default backward adds dq
+  with atomics)."""
+  case = Case("t", 2, 4096, 4096, 16, 16, 128, "bfloat16", causal=False)
+  (variant,) = impls.IMPLEMENTATIONS["cudnn-det"].variants(case, True)
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = [jax.random.normal(kk, (2, 4096, 16, 128), jnp.bfloat16) for kk in keys]
+  args = (*x, *variant.aux)
+  f = runner.compile_function(variant, "fwd+bwd", args)
+  first = [np.asarray(g, np.float32) for g in f(*args)]
+  for _ in range(3):
+    for a, b in zip(first, f(*args)):
+      np.testing.assert_array_equal(a, np.asarray(b, np.float32))
 
 
 def test_timed_function_is_compiled_with_the_variant_options():

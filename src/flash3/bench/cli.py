@@ -358,8 +358,12 @@ def _main(argv: list[str] | None) -> int:
   if args.list:
     for case in selected:
       print(f"{case.suite:6s} {case.label()}")
-      if "flash3" in [i.name for i in impls]:
+      names = [i.name for i in impls]
+      if "flash3" in names:
         print(f"       flash3: {implementations.flash3_configs(case)}")
+      if "flash3-nondet" in names:
+        print(f"       flash3-nondet: "
+              f"{implementations.flash3_configs(case, deterministic=False)}")
     shard = ("" if args.shard is None
              else f" (shard {args.shard[0]}/{args.shard[1]})")
     print(f"{len(selected)} cases x {len(args.modes)} modes{shard}")

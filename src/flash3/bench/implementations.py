@@ -177,8 +177,8 @@ DETERMINISTIC_OPS = (("xla_gpu_deterministic_ops", True),)
 
 
 def _cudnn_det_variants(case, tune):
-  return [dataclasses.replace(v, compiler_options=DETERMINISTIC_OPS,
-                              config="xla_gpu_deterministic_ops=True")
+  config = ", ".join(f"{k}={v}" for k, v in DETERMINISTIC_OPS)
+  return [dataclasses.replace(v, compiler_options=DETERMINISTIC_OPS, config=config)
           for v in _cudnn_variants(case, tune)]
 
 

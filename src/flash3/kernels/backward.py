@@ -158,11 +158,13 @@ class BackwardConfig:
       tiles' widths. An A/B knob: on an H200 (ninth session) 16 and 32
       columns were 1.5-12% slower at head_dim 64 and 128; its GPU tests pass.
     pair_dq: with ``deterministic`` False (one dq tile per warpgroup, not
-      ``share_dq``) and the overlapped order, issue dq = ds k right after
-      dk += dsT q and wait for both at once, as FlashAttention-3 does, instead
-      of a separate matmul and wait after dk's (``_add_dq_tile``). GPU path
-      only. An A/B knob written in the ninth session after its device time:
-      CUDA lowering checked on the CPU, not yet run on a GPU.
+      ``share_dq``) and the overlapped order, issue dq = ds k before dk +=
+      dsT q and send dq's tile while dk's matmul runs, as FlashAttention-3's
+      backward does, instead of a separate matmul and wait after dk's
+      (``_add_dq_tile``). GPU path only (interpret mode runs the unpaired
+      order, as for ``overlap_matmuls``). An A/B knob written in the ninth
+      session after its device time: CUDA lowering checked on the CPU, not
+      yet run on a GPU.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -837,14 +839,15 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
               _score_like(shape, softcap))
           make_ds = lambda: ds_of(pT, dpT, th).astype(dtype)
           if pair:
-            # dq = ds k issued right after dk += dsT q; one wait for all three.
-            dv, dk, _, part = common.accumulate_pair(
+            # dq = ds k issued before dk += dsT q, and stored while dk runs.
+            store = lambda part: _store_dq_tile(
+                part, dq_stage2.at[wg], dq_rows(), dq_acc=dq_refs.get("atomic"),
+                dq_parts=dq_refs.get("partials"),
+                slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+            dv, dk, _ = common.accumulate_pair(
                 dv, pT.astype(dtype), do_smem, dk, make_ds, q_smem,
-                product=(ds_smem2.at[wg], k_smem))
+                product=(ds_smem2.at[wg], k_smem, store))
             plgpu.barrier_arrive(consumed.at[slot])
-            _store_dq_tile(part, dq_stage2.at[wg], dq_rows(),
-                           dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
-                           slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
             return dk, dv
           dv, dk, dsT16 = common.accumulate_pair(
               dv, pT.astype(dtype), do_smem, dk, make_ds, q_smem)

@@ -225,31 +225,32 @@ def accumulate_pair(acc1: jax.Array, a1: jax.Array, b1_ref, acc2: jax.Array,
 
   ``a1`` and ``a2`` are register operands (input dtype, WGMMA layout); they
   must not change while their wgmma runs, which holds as both are values.
-  ``product=(a2_smem, b3_ref)``: also ``a2^T @ b3_ref`` into a fresh float32
-  accumulator, ``a2`` going through ``a2_smem`` (the transposed left operand
-  must be in shared memory), issued after the second wgmma and waited for
-  with it (FlashAttention-3's backward issues dq = ds k beside dk += ds^T q).
-  Returns (acc1, acc2, a2), and that product last when asked for. GPU path
-  only, as ``matmul_pair_first_then``.
+  ``product=(a2_smem, b3_ref, use)``: also ``a2^T @ b3_ref`` (float32), ``a2``
+  going through ``a2_smem`` (a transposed left operand must be in shared
+  memory). Its wgmma is issued before the second, and ``use(product)`` runs
+  as soon as it is done, while the second still runs (FlashAttention-3's
+  backward issues dq = ds k before dk += ds^T q and stores dq meanwhile);
+  its accumulator exists only from then on. Returns (acc1, acc2, a2). GPU
+  path only, as ``matmul_pair_first_then``.
   """
   def body(refs):
-    r1, r2, a2_ref = refs[:3]
+    r1, r2, a2_ref = refs
     plgpu.wgmma(r1, a1, b1_ref)
     a2 = make_a2()
     a2_ref[...] = a2
-    if product is not None:
-      a2_smem, b3_ref = product
-      a2_smem[...] = a2
-      plgpu.commit_smem()
-    plgpu.wgmma(r2, a2, b2_ref)
-    if product is not None:
-      plgpu.wgmma(refs[3], a2_smem.transpose((1, 0)), b3_ref)
+    if product is None:
+      plgpu.wgmma(r2, a2, b2_ref)
+      return
+    a2_smem, b3_ref, use = product
+    a2_smem[...] = a2
+    plgpu.commit_smem()
 
-  zeros = lambda shape, dtype: plgpu.layout_cast(jnp.zeros(shape, dtype),
-                                                 plgpu.Layout.WGMMA)
-  a2_like = zeros(a1.shape[:1] + (b2_ref.shape[0],), a1.dtype)
-  refs = (plgpu.ACC.init(acc1), plgpu.ACC.init(acc2), a2_like)
-  if product is not None:
-    refs += (plgpu.ACC.init(zeros((a2_like.shape[1], product[1].shape[1]),
-                                  jnp.float32)),)
-  return pl.run_state(body)(refs)
+    def scope(r3):
+      plgpu.wgmma(r3, a2_smem.transpose((1, 0)), b3_ref)
+      plgpu.wgmma(r2, a2, b2_ref)
+      use(plgpu.wgmma_accumulator_load(r3, wait_n=1))  # The second still runs.
+    pl.run_scoped(scope, plgpu.ACC((a2.shape[1], b3_ref.shape[1]), jnp.float32))
+
+  a2_like = plgpu.layout_cast(jnp.zeros(a1.shape[:1] + (b2_ref.shape[0],), a1.dtype),
+                              plgpu.Layout.WGMMA)
+  return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2), a2_like))
