@@ -122,14 +122,15 @@ def _static_int(x) -> int | None:
 def _window(local_window_size, longest: int) -> tuple[int, int] | None:
   if local_window_size is None:
     return None
-  pair = (local_window_size if isinstance(local_window_size, (tuple, list))
-          else (local_window_size, local_window_size))
-  window = tuple(_static_int(w) for w in pair) if len(pair) == 2 else (None,)
+  pair = local_window_size
+  if not isinstance(pair, (tuple, list)):
+    pair = (pair, pair)
+  elif len(pair) != 2:
+    raise ValueError(
+        f"local_window_size={local_window_size!r} has {len(pair)} entries; allowed: "
+        "None, an int >= 0, or a (left, right) pair of ints >= 0")
+  window = tuple(_static_int(w) for w in pair)
   if None in window:
-    if isinstance(local_window_size, (tuple, list)) and len(local_window_size) != 2:
-      raise ValueError(
-          f"local_window_size={local_window_size!r} has {len(local_window_size)} "
-          "entries; allowed: None, an int >= 0, or a (left, right) pair of ints >= 0")
     raise TypeError(
         f"local_window_size={local_window_size!r}; allowed: None, an int >= 0, "
         "or a (left, right) pair of ints >= 0, known at trace time")

@@ -336,6 +336,7 @@ def _main(argv: list[str] | None) -> int:
     selected = select_cases(args)
     impls = implementations.select(
         list(args.impls) if args.impls is not None else None)
+    names = [i.name for i in impls]
     if args.replot:
       envs, row_lists = read_results(args.replot, "--replot/--merge")
     elif args.skip_done:
@@ -350,7 +351,6 @@ def _main(argv: list[str] | None) -> int:
           not args.no_plots)
     return 0
   if args.skip_done:
-    names = [i.name for i in impls]
     before = len(selected)
     selected = skip_done(selected, row_lists, names, tuple(args.modes))
     print(f"flash3-bench: --skip-done: {before - len(selected)} of {before} "
@@ -358,7 +358,6 @@ def _main(argv: list[str] | None) -> int:
   if args.list:
     for case in selected:
       print(f"{case.suite:6s} {case.label()}")
-      names = [i.name for i in impls]
       if "flash3" in names:
         print(f"       flash3: {implementations.flash3_configs(case)}")
       if "flash3-nondet" in names:

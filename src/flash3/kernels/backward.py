@@ -161,7 +161,7 @@ class BackwardConfig:
       ``share_dq``) and the overlapped order, issue dq = ds k before dk +=
       dsT q and send dq's tile while dk's matmul runs, as FlashAttention-3's
       backward does, instead of a separate matmul and wait after dk's
-      (``_add_dq_tile``). GPU path only (interpret mode runs the unpaired
+      (``_dq_product``). GPU path only (interpret mode runs the unpaired
       order, as for ``overlap_matmuls``). An A/B knob written in the ninth
       session after its device time: CUDA lowering checked on the CPU, not
       yet run on a GPU.
@@ -682,8 +682,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   overlap = config.overlap_matmuls and not staged and want_dk and want_dv
-  # config.pair_dq: the overlapped order's dq product joins dk's wait.
-  pair = overlap and config.pair_dq and dq_mode is not None and not config.share_dq
+  # config.pair_dq (validated: deterministic=False without share_dq, so
+  # dq_mode is set): dq's product is issued beside dk's.
+  pair = overlap and config.pair_dq
   # config.share_dq: warpgroup w forms columns [w * half, (w + 1) * half) of
   # each query tile's dq from every warpgroup's dsT (double-buffered by step
   # parity in ds_smem2[parity * wgs + warpgroup]).
@@ -809,16 +810,23 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
         dq_rows = lambda: (b, pl.ds(t * bq, bq), kv_head * group + g)
 
+        def dq_sender():
+          """Sends this warpgroup's float32 dq tile of step t (deterministic=False)."""
+          rows = dq_rows()
+          part_slot = lax.axis_index(common.KV_TILES_AXIS) * wgs + wg
+          return lambda part: _store_dq_tile(
+              part, dq_stage2.at[wg], rows, dq_acc=dq_refs.get("atomic"),
+              dq_parts=dq_refs.get("partials"), slot=part_slot)
+
         def add_dq(ds16):
           """dq += ds k (deterministic=False); reads only k and dsT, so it
           runs after the slot's release."""
-          rows = dq_rows()
           if share:
+            rows = dq_rows()
             share_dq_tile(ds16, head_base + t - cta_lo, rows)
           elif dq_mode is not None:
-            _add_dq_tile(ds16, ds_smem2.at[wg], dq_stage2.at[wg], k_smem, rows,
-                         dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
-                         slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
+            send = dq_sender()
+            send(_dq_product(ds16, ds_smem2.at[wg], k_smem))
 
         def ds_of(pT, dpT, th):
           delta_col = plgpu.load(delta_ring.at[slot], layout=col)
@@ -840,13 +848,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           make_ds = lambda: ds_of(pT, dpT, th).astype(dtype)
           if pair:
             # dq = ds k issued before dk += dsT q, and stored while dk runs.
-            store = lambda part: _store_dq_tile(
-                part, dq_stage2.at[wg], dq_rows(), dq_acc=dq_refs.get("atomic"),
-                dq_parts=dq_refs.get("partials"),
-                slot=lax.axis_index(common.KV_TILES_AXIS) * wgs + wg)
             dv, dk, _ = common.accumulate_pair(
                 dv, pT.astype(dtype), do_smem, dk, make_ds, q_smem,
-                product=(ds_smem2.at[wg], k_smem, store))
+                product=(ds_smem2.at[wg], k_smem, dq_sender()))
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv
           dv, dk, dsT16 = common.accumulate_pair(
@@ -1015,20 +1019,16 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   return jax.jit(run)(q, k, v, do, lse2, delta, *extra)
 
 
-def _add_dq_tile(ds, ds_smem, dq_stage, k_smem, rows, *, dq_acc, dq_parts, slot):
-  """dq[rows] += ds^T @ k for one (key tile, query tile) pair, float32.
+def _dq_product(ds, ds_smem, k_smem):
+  """ds^T @ k for one (key tile, query tile) pair, float32 (queries x D).
 
   ``ds`` is dsT (keys x queries) in registers; it goes through shared memory
-  to be the transposed left operand. The product is staged in ``dq_stage``
-  and stored by TMA: a reduce-add into ``dq_acc`` (GPU), or a plain store
-  into this warpgroup's own slice ``slot`` of ``dq_parts`` (interpret
-  mode). The previous tile's store must have read ``dq_stage`` first.
+  to be the transposed left operand. ``_store_dq_tile`` sends the result.
   """
   ds_smem[...] = ds
   plgpu.commit_smem()
-  part = common.matmul_smem(ds_smem.transpose((1, 0)), k_smem,
+  return common.matmul_smem(ds_smem.transpose((1, 0)), k_smem,
                             (ds.shape[1], k_smem.shape[1]))
-  _store_dq_tile(part, dq_stage, rows, dq_acc=dq_acc, dq_parts=dq_parts, slot=slot)
 
 
 def _store_dq_tile(part, dq_stage, rows, *, dq_acc, dq_parts, slot):

@@ -8,9 +8,9 @@ Two uses (FlashAttention-3, Shah et al. 2024, section 3.1):
   and before its next matmuls ``wait()``s for its own turn (the other's
   signal): one warpgroup's softmax runs while the other's matmuls do.
   ``Meeting`` makes the same calls a meeting of both warpgroups; on an H200
-  it was 1-5% faster at D=64 on 9 of 10 shapes, even at D=128 and about 1%
-  slower at D=256
-  than the one-way hand-off (``ForwardConfig.pingpong``, ninth session).
+  it was 1-5% faster than the one-way hand-off at D=64 on 9 of 10 shapes,
+  even at D=128 and about 1% slower at D=256 (``ForwardConfig.pingpong``,
+  ninth session).
 * ``Release``: consumers tell the producer that a ring slot is free.
 
 Why named barriers on the GPU: a Mosaic GPU mbarrier arrival is made by every
