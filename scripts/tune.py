@@ -12,6 +12,8 @@ own cuDNN ratio. FLOPs: FlashAttention-3's convention.
   PYTHONPATH=src python3 scripts/tune.py --what fwd --persistent 0 1 --causal 0
   # a sliding window of 1024 (issue 6's mask suite shape at T=16384, D=128):
   PYTHONPATH=src python3 scripts/tune.py --what fwd --D 128 --T 16384 --causal 1 --window 1024
+  # packed rows of 8 documents (segment ids; cuDNN gets the same dense mask):
+  PYTHONPATH=src python3 scripts/tune.py --what fwd --T 16384 --docs 8 --vary persistent=0,1
 
 Writes one JSON line per measurement to ``<out>/tune_<what>.jsonl`` as it goes
 and prints a markdown row per measurement.
@@ -130,16 +132,18 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
   return _fitting(cands, D)
 
 
-def _vary_candidates(what, D, T, causal, window, vary):
-  """The default config for this shape with every combination of ``vary``
-  ({field: [values]}) applied: an A/B of config fields at the defaults."""
+def _vary_candidates(what, D, T, causal, window, vary, docs=None):
+  """The default config for this shape (packed rows when ``docs``) with every
+  combination of ``vary`` ({field: [values]}) applied: an A/B of config
+  fields at the defaults."""
   from flash3.kernels.backward import BackwardConfig
   from flash3.kernels.config import check_fits
   from flash3.kernels.forward import default_config
   from flash3.visibility import MaskSpec
   mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=window,
                   window_right=None if window is None or causal else window)
-  base = (default_config(D, "bfloat16", mask, T, T) if what == "fwd"
+  base = (default_config(D, "bfloat16", mask, T, T, packed=docs is not None)
+          if what == "fwd"
           else BackwardConfig.heuristic(D, T, T, mask))
   names = list(vary)
   out = []
@@ -201,8 +205,12 @@ def _fitting(cands, D):
   return ok
 
 
-def _visible_pairs(T: int, causal: bool, window: int | None) -> float:
-  """Visible (query, key) pairs of one (batch, head), Tq = Tk = T (FA3's FLOP rule)."""
+def _visible_pairs(T: int, causal: bool, window: int | None,
+                   docs: int | None = None) -> float:
+  """Visible (query, key) pairs of one (batch, head), Tq = Tk = T (FA3's FLOP
+  rule); with ``docs``, T holds that many equal documents, each on its own."""
+  if docs is not None:
+    return docs * _visible_pairs(T // docs, causal, window)
   pos = np.arange(T)
   lo = np.zeros(T) if window is None else np.maximum(0, pos - window)
   if causal:
@@ -216,7 +224,7 @@ def _visible_pairs(T: int, causal: bool, window: int | None) -> float:
 
 def _task(task):
   """Compile and warm one (shape, config); then time it and cuDNN under the lock."""
-  what, dtype_name, D, T, causal, window, config, iterations = task
+  what, dtype_name, D, T, causal, window, docs, config, iterations = task
   import jax
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
@@ -226,6 +234,8 @@ def _task(task):
   row = dict(what=what, dtype=dtype_name, D=D, T=T, causal=causal, config=repr(config))
   if window is not None:
     row["window"] = window
+  if docs is not None:
+    row["docs"] = docs
   try:
     dtype = jnp.dtype(dtype_name)
     B, N = 16384 // T, 2048 // D
@@ -235,26 +245,32 @@ def _task(task):
     mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=window,
                     window_right=None if window is None or causal else window)
     nn_window = None if window is None else (window, 0 if causal else window)
-    flops = 4 * B * N * D * _visible_pairs(T, causal, window)
+    flops = 4 * B * N * D * _visible_pairs(T, causal, window, docs)
+    seg, nn_mask = {}, None
+    if docs is not None:  # Equal documents; cuDNN gets them as a dense mask.
+      ids = jnp.broadcast_to(jnp.repeat(jnp.arange(docs, dtype=jnp.int32), T // docs),
+                             (B, T))
+      seg = dict(q_segment_ids=ids, kv_segment_ids=ids)
+      nn_mask = (ids[:, None, :, None] == ids[:, None, None, :])
     if what == "fwd":
       ours = jax.jit(lambda q, k, v: attention_forward(
-          q, k, v, scale=scale, mask=mask, config=config))
+          q, k, v, scale=scale, mask=mask, config=config, **seg))
       theirs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, scale=scale, is_causal=causal, local_window_size=nn_window,
-          implementation="cudnn"))
+          mask=nn_mask, implementation="cudnn"))
       args_ours = args_theirs = (q, k, v)
     else:
       flops *= 2.5
       o, lse = jax.jit(lambda q, k, v: attention_forward(
-          q, k, v, scale=scale, mask=mask))(q, k, v)
+          q, k, v, scale=scale, mask=mask, **seg))(q, k, v)
       ours = jax.jit(lambda q, k, v, o, lse, do: attention_backward(
-          q, k, v, o, lse, do, scale=scale, mask=mask, config=config))
+          q, k, v, o, lse, do, scale=scale, mask=mask, config=config, **seg))
       args_ours = (q, k, v, o, lse, do)
 
       def cudnn_fwd(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                             local_window_size=nn_window,
-                                            implementation="cudnn")
+                                            mask=nn_mask, implementation="cudnn")
 
       def cudnn_bwd(q, k, v, do):
         _, vjp = jax.vjp(cudnn_fwd, q, k, v)
@@ -294,6 +310,9 @@ def main():
   ap.add_argument("--window", type=int, default=None,
                   help="a local window: keys at most this far before (and, without "
                        "causal, after) the query; cuDNN gets the same window")
+  ap.add_argument("--docs", type=int, default=None,
+                  help="packed rows: this many equal documents per row (segment "
+                       "ids; cuDNN gets them as a dense mask)")
   ap.add_argument("--persistent", type=int, nargs="+", default=[0],
                   help="fwd: values of ForwardConfig.persistent to sweep (0 1 for both)")
   ap.add_argument("--overlap", type=int, nargs="+", default=[0],
@@ -325,7 +344,8 @@ def main():
   vary = _parse_vary(args.vary, args.what) if args.vary else None
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
     if vary is not None:
-      cands = _vary_candidates(args.what, D, T, bool(causal), args.window, vary)
+      cands = _vary_candidates(args.what, D, T, bool(causal), args.window, vary,
+                               args.docs)
     elif args.what == "fwd":
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages),
@@ -334,8 +354,8 @@ def main():
     else:
       cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window, T,
                               _register_pairs(args.registers))
-    tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, c, args.iterations)
-              for c in cands]
+    tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, args.docs, c,
+               args.iterations) for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)
   path = os.path.join(args.out, f"tune_{args.what}.jsonl")
   ctx = mp.get_context("spawn")

@@ -27,7 +27,7 @@ def field_value(config: str, field: str) -> str:
 
 def shape_key(row: dict) -> tuple:
   return (row["what"], row["dtype"], row["D"], row["T"], bool(row["causal"]),
-          row.get("window"))
+          row.get("window"), row.get("docs"))
 
 
 def ab_table(rows: list[dict], fields: list[str]) -> str:
@@ -46,16 +46,16 @@ def ab_table(rows: list[dict], fields: list[str]) -> str:
       values.append(value)
     table.setdefault(shape_key(row), {})[value] = row
   name = "/".join(fields)
-  head = ["what", "dtype", "D", "T", "causal", "window"]
+  head = ["what", "dtype", "D", "T", "causal", "window", "docs"]
   head += [f"{name}={v} TFLOP/s" for v in values] + ["cuDNN TFLOP/s"]
   head += [f"{v} / cuDNN" for v in values]
   head += [f"{v} / {values[0]} (time)" for v in values[1:]]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   logs = {v: [] for v in values}
-  for key in sorted(table, key=lambda k: (*k[:5], -1 if k[5] is None else k[5])):
+  for key in sorted(table, key=lambda k: (*k[:5], *(-1 if x is None else x for x in k[5:]))):
     got = table[key]
     cells = [str(x) if x is not None else "-" for x in key[:4]]
-    cells += [str(int(key[4])), "-" if key[5] is None else str(key[5])]
+    cells += [str(int(key[4]))] + ["-" if x is None else str(x) for x in key[5:]]
     cells += [f"{got[v]['tflops']:.0f}" if v in got else "-" for v in values]
     # cuDNN is timed after every row: the first value's run.
     cudnn = (got.get(values[0]) or next(iter(got.values())))["cudnn_tflops"]

@@ -626,6 +626,26 @@ def test_headline_wins_do_not_count_the_subjects_own_variants():
   assert "of 2 cases" not in report.headline(rows)
 
 
+def test_headline_pairs_like_for_like():
+  # flash3 (deterministic) against cudnn-det; flash3-nondet against cudnn.
+  # ms 0.9 vs 1.2 and 0.6 vs 1.2: speed ratios 1.33 and 2.0, geomean 1.63.
+  rows = []
+  for t, fl in ((1024, 0.9), (4096, 0.6)):
+    rows += [_row("cudnn", "fwd", t, 1.0), _row("flash3", "fwd", t, fl),
+             _row("flash3-nondet", "fwd", t, 0.8), _row("cudnn-det", "fwd", t, 1.2)]
+  results_lib.add_ratios(rows, "cudnn")
+  lines = report.headline(rows).splitlines()
+  i = lines.index("Like for like, flash3 over cudnn-det (both deterministic), "
+                  "geometric mean (min-max; cases):")
+  assert lines[i + 1] == "- fa3 fwd: 1.63 (1.33-2.00; 2)"
+  j = lines.index("Like for like, flash3-nondet over cudnn (both free to add with "
+                  "atomics), geometric mean (min-max; cases):")
+  assert lines[j + 1] == "- fa3 fwd: 1.25 (1.25-1.25; 2)"
+  # Without cudnn-det (or flash3-nondet) that pair's lines are absent.
+  text = report.headline([r for r in rows if r.impl != "cudnn-det"])
+  assert "over cudnn-det" not in text and "flash3-nondet over cudnn" in text
+
+
 def test_markdown_lists_the_subjects_configs_once_per_case():
   rows = synthetic_results()
   for r in rows:

@@ -274,6 +274,37 @@ def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
     check_fits(config, D, 2, interpret=interpret)
 
 
+@pytest.mark.parametrize("D,causal", [(64, True), (64, False), (128, False)])
+def test_packed_rows_take_the_grid_kernel(D, causal):
+  # -s10/tune.md: with segment ids the persistent kernel's static schedule
+  # ran up to 51% slower (it cannot see each item's documents).
+  mask = MaskSpec(causal=causal)
+  assert forward_config(D, jnp.bfloat16, mask, 1024, 1024).persistent
+  config = forward_config(D, jnp.bfloat16, mask, 1024, 1024, packed=True)
+  assert not config.persistent
+  # Causal documents at D=64 ran 19% faster with 128-key tiles than 256.
+  assert config.block_kv == (128 if causal or D > 64 else 256)
+  check_fits(config, D, 2)
+
+
+@pytest.mark.interpret
+def test_attention_forward_with_segment_ids_picks_the_packed_config(monkeypatch):
+  from flash3.kernels import forward
+  seen = []
+  real = forward.forward_config
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs.get("packed"))
+    return real(*args, **kwargs)
+  monkeypatch.setattr(forward, "forward_config", spy)
+  q, k, v = make_qkv(jax.random.key(2), 1, 64, 64, 1, 1, 64, jnp.bfloat16)
+  ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 32)[None]
+  forward.attention_forward(q, k, v, scale=0.125, mask=NO_MASK, interpret=True,
+                            q_segment_ids=ids, kv_segment_ids=ids)
+  forward.attention_forward(q, k, v, scale=0.125, mask=NO_MASK, interpret=True)
+  assert seen == [True, False]
+
+
 @pytest.mark.interpret
 def test_default_config_sizes_the_persistent_kernel_to_the_gpu(monkeypatch):
   # An H100 PCIe has 114 SMs: 132 CTAs there would run a second wave.

@@ -103,13 +103,13 @@ def test_options_without_backward_kernel_say_so_and_stay_right():
 def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
   from flash3.kernels.backward import BackwardConfig
   from flash3.visibility import MaskSpec
-  # Where the H200 sweeps found it faster it is taken: D = 64, and D = 128
-  # without a causal mask or window (the shared-dq form); else not.
+  # Where the H200 sweeps found it faster it is taken: D = 64, with dq paired
+  # with dk (FlashAttention-3's order); else not.
   mask = MaskSpec(causal=causal)
   chosen = BackwardConfig.heuristic(D, 512, 512, mask, deterministic=False)
-  single = D == 64 or not causal
+  single = D == 64
   assert chosen.deterministic is not single
-  assert chosen.share_dq is (D == 128 and not causal)
+  assert chosen.pair_dq is single and not chosen.share_dq
   for left, right in ((100, 100), (0, 4096)):  # (0, Tk) is causal's mirror image
     window = MaskSpec(causal=causal, window_left=left, window_right=right)
     assert BackwardConfig.heuristic(D, 4096, 4096, window,

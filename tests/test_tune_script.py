@@ -91,12 +91,36 @@ def test_tune_ab_table_ratios_and_geomean():
   lines = text.splitlines()
   assert "pingpong=handoff TFLOP/s" in lines[0] and "off / handoff (time)" in lines[0]
   # Shapes in numeric order (T 1024 before 4096); speed of "off" vs "handoff" 2.0.
-  assert lines[2].startswith("| fwd | bfloat16 | 64 | 1024 | 1 | - | 100 | 200 |")
+  assert lines[2].startswith("| fwd | bfloat16 | 64 | 1024 | 1 | - | - | 100 | 200 |")
   assert lines[2].endswith("| 1.000 | 2.000 | 2.000 |")
   assert lines[4].startswith("| fwd | bfloat16 | 128 | 1024 |") and "| - |" in lines[4]
   # Geometric means over the two complete shapes: handoff sqrt(1 * 0.5), off 1 and 2.
   assert "over 2 shapes: pingpong=handoff: 0.707, pingpong=off: 1.414" in text
   assert "error at" in text and "boom" in text
+
+
+def test_tune_ab_keeps_packed_rows_apart():
+  ab = _tune_ab_module()
+  rows = [_row(64, 1024, "off", 1.0, 1.0), dict(_row(64, 1024, "off", 0.5, 1.0), docs=8)]
+  lines = ab.ab_table(rows, ["pingpong"]).splitlines()
+  assert lines[2].startswith("| fwd | bfloat16 | 64 | 1024 | 1 | - | - | 100 |")
+  assert lines[3].startswith("| fwd | bfloat16 | 64 | 1024 | 1 | - | 8 | 200 |")
+
+
+def test_tune_vary_starts_from_the_packed_default():
+  # With --docs the base is the config attention_forward picks for packed rows.
+  tune = _tune_module()
+  vary = tune._parse_vary(["num_stages=2"])
+  assert tune._vary_candidates("fwd", 64, 16384, True, None, vary)[0].persistent
+  assert not tune._vary_candidates("fwd", 64, 16384, True, None, vary, 8)[0].persistent
+
+
+def test_tune_visible_pairs_of_packed_documents():
+  tune = _tune_module()
+  # Two documents of 4: each sees 4 * 5 / 2 pairs causal, 16 without.
+  assert tune._visible_pairs(8, True, None, docs=2) == 20
+  assert tune._visible_pairs(8, False, None, docs=2) == 32
+  assert tune._visible_pairs(8, True, None) == 36
 
 
 def test_tune_ab_unknown_field():

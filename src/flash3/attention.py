@@ -80,11 +80,12 @@ def dot_product_attention(
       s and dp recomputed for dq). False lets the backward use its
       single-kernel variant, which adds dq with float32 reduce-add atomics
       (dq's last bits then vary run to run; dk, dv stay reproducible), where
-      it was faster on an H200: head_dim 64, by 2-13% on three of four
-      shapes (docs/benchmarks/h200/2026-12-01-s4/tune.md), and head_dim 128
-      without a causal mask or window, by 1-6% (its shared-dq form,
-      docs/benchmarks/h200/2026-12-01-s6/tune.md); elsewhere the
-      deterministic kernels, faster there, run anyway. The forward and the XLA
+      it was faster on an H200: head_dim 64 (0.98 of cuDNN's default
+      backward against 0.92, FlashAttention-3 grid, bfloat16, 2026-12-01,
+      docs/benchmarks/h200/2026-12-01-s10/tune.md); elsewhere the
+      deterministic kernels, faster there, run anyway. (cuDNN's own
+      backward is non-deterministic under XLA's defaults; its deterministic
+      form ran at 0.79 of that speed in the same run.) The forward and the XLA
       path are deterministic either way.
 
   Returns:

@@ -125,7 +125,7 @@ def flash3_configs(case, deterministic: bool = True) -> str:
   from flash3.kernels.forward import default_config
   spec = case.mask_spec
   fwd = default_config(case.head_dim, jnp.dtype(case.dtype), spec, case.q_len,
-                       case.kv_len)
+                       case.kv_len, packed=case.num_docs is not None)
   # The backward runs D as given (only the forward pads it).
   bwd = BackwardConfig.heuristic(case.head_dim, case.q_len, case.kv_len, spec,
                                  deterministic=deterministic)

@@ -310,4 +310,35 @@ def headline(results: Iterable[Result], subject: str = "flash3",
                   f"(not counting {subject}'s own variants):"]
     lines += [f"- {suite} {mode}: {w} of {n} cases"
               for (suite, mode), (w, n) in sorted(wins.items())]
+  lines += _like_for_like(ran, subject, baseline)
   return "\n".join(lines)
+
+
+# Pairs that run the backward the same way: (numerator, denominator, what).
+LIKE_FOR_LIKE = (
+    ("{subject}", "{baseline}-det", "both deterministic"),
+    ("{subject}-nondet", "{baseline}", "both free to add with atomics"),
+)
+
+
+def _like_for_like(ran, subject: str, baseline: str) -> list[str]:
+  """Where both of a pair of ``LIKE_FOR_LIKE`` ran: the numerator's speed
+  over the denominator's, geometric mean (min-max; cases) per suite and mode.
+  XLA runs cuDNN's backward non-deterministically unless asked (cudnn-det);
+  flash3's default backward is deterministic: these are the fair ratios."""
+  speeds: dict[tuple, dict[str, float]] = {}
+  for r in ran:
+    speeds.setdefault((r.suite, r.case_key(), r.mode), {})[r.impl] = r.tflops
+  lines = []
+  for num, den, what in LIKE_FOR_LIKE:
+    num, den = (x.format(subject=subject, baseline=baseline) for x in (num, den))
+    groups: dict[tuple, list[float]] = {}
+    for (suite, _, mode), by_impl in speeds.items():
+      if num in by_impl and den in by_impl:
+        groups.setdefault((suite, mode), []).append(by_impl[num] / by_impl[den])
+    if groups:
+      lines += ["", f"Like for like, {num} over {den} ({what}), geometric mean "
+                    "(min-max; cases):"]
+      lines += [f"- {suite} {mode}: {_geomean_cell(ratios)}"
+                for (suite, mode), ratios in sorted(groups.items())]
+  return lines

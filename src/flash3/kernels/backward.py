@@ -262,13 +262,15 @@ class BackwardConfig:
     From a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16, T 4096
     and 16384, against cuDNN in the same run): causal masks launch the dq
     kernel's longest query tiles first (2-5% faster). ``deterministic=False``
-    allows the single-kernel backward, taken where it was faster in the
-    sweeps of 2026-12-01 (docs/benchmarks/h200/2026-12-01-s4/tune.md,
-    docs/benchmarks/h200/2026-12-01-s6/tune.md): head_dim 64 (2-13% on
-    three of four shapes), and at head_dim 128 without a causal mask or
-    window its ``share_dq`` form (1% faster than the two-kernel default at
-    T=4096, 6% at 16384; causal, it was even at 16384 and 13% slower at
-    4096, so causal masks keep the two kernels). Not
+    allows the single-kernel backward, taken where it was faster: head_dim
+    64 (2-13% on three of four shapes, docs/benchmarks/h200/2026-12-01-s4/
+    tune.md), in FlashAttention-3's order (``pair_dq``: 2-7% more on three
+    of four shapes, 1% less on one; tenth session, docs/benchmarks/h200/
+    2026-12-01-s10/tune.md). At head_dim 128 the two deterministic kernels
+    run either way: the single kernel and its ``share_dq`` form ran at 0.61-
+    0.79 of cuDNN where the two kernels ran at 0.85-0.99 (same sweep; the
+    sixth session's 1-6% win of ``share_dq`` did not survive the later
+    gains of the two-kernel path). Not
     below 64: the backward runs D as given (the forward pads it) and the
     single kernel's dq tile does not lower for D < 64. A short window (at
     most 2048 keys per 128 queries) takes 64-key tiles in the dq kernel,
@@ -293,10 +295,8 @@ class BackwardConfig:
                    compute_wgs_dkv=1, num_stages=2, split_dkv=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if not deterministic and head_dim == 64:
-      config = dataclasses.replace(config, block_q_dkv=64, deterministic=False)
-    no_window = mask is None or (mask.window_left is None and mask.window_right is None)
-    if not deterministic and head_dim == 128 and not causal and no_window:
-      config = dataclasses.replace(config, deterministic=False, share_dq=True)
+      config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
+                                   pair_dq=True)
     while (max(config.smem_bytes(head_dim, 2, interpret=interpret)) > SMEM_LIMIT_BYTES
            and config.num_stages > 1):
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -218,7 +218,8 @@ def window_key_span(mask: MaskSpec, kv_len: int, rows: int = 128) -> int | None:
   return span if span < kv_len else None
 
 
-def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
+def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int,
+                        packed: bool = False) -> bool:
   """Whether the persistent kernel is the faster default for these arguments.
 
   Short items (few key tiles per query tile) spend much of a CTA's life in its
@@ -233,7 +234,15 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
   plus a tile): a causal window of 1024 at T=16384, D=128 ran 12% faster
   persistent (sweep of 2026-12-01, fifth session, docs/benchmarks/h200/
   2026-12-01-s5/tune.md); other windows follow the non-causal rule untested.
+  Packed rows (segment ids) take the grid kernel: the persistent kernel's
+  static schedule cannot know how long each item's documents are, and with
+  8 causal documents of 2048 at T=16384 it ran 12% (D=128) and 51% (D=64)
+  slower; without causal it was 9% slower at D=64, 5% faster at D=128
+  with equal documents (tenth session, docs/benchmarks/h200/2026-12-01-s10/
+  tune.md), which real, unequal documents would not keep.
   """
+  if packed:
+    return False
   span = window_key_span(mask, kv_len)
   if span is not None:
     return (head_dim <= 128 and span <= 2048) or (head_dim <= 64 and span <= 4096)
@@ -247,7 +256,8 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int) -> bool:
 
 def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
                    kv_len: int, *, interpret: bool = False,
-                   num_sms: int = DEFAULT_SM_COUNT) -> ForwardConfig:
+                   num_sms: int = DEFAULT_SM_COUNT,
+                   packed: bool = False) -> ForwardConfig:
   """The default config for these arguments; it always fits shared memory.
 
   Chosen from a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16,
@@ -273,6 +283,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
     num_sms: the GPU's SMs, the persistent kernel's CTA count (132 on an
       H100 / H200 SXM, 114 on an H100 PCIe: more CTAs than SMs would run a
       second wave).
+    packed: segment ids are given (packed documents): the grid kernel, and
+      causal D=64 takes 128-key tiles.
   """
   del dtype, q_len  # Same choice for both 16-bit types and all Tq today.
   if head_dim <= 64:
@@ -285,10 +297,14 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   windowed = window_key_span(mask, kv_len) is not None
   if windowed and head_dim <= 128:
     block_kv = 128
+  if packed and mask.causal and head_dim <= 64:
+    # Causal documents end on a diagonal tile each: 128-key tiles ran 19%
+    # faster than 256 (8 documents of 2048, T=16384, tenth session).
+    block_kv = 128
   # Never ring more tiles than there are keys.
   tiles = max(1, -(-kv_len // block_kv))
   stages = max(1, min(stages, tiles))
-  persistent = _prefers_persistent(head_dim, mask, kv_len)
+  persistent = _prefers_persistent(head_dim, mask, kv_len, packed)
   if persistent and head_dim <= 64:
     stages = min(stages, 2)  # The persistent sweep's best at D=64.
   # The meeting ping-pong gained 1-5% at D=64 (on 9 of 10 shapes; causal
@@ -299,11 +315,12 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms, pingpong=pingpong)
-  if not persistent and head_dim <= 64 and block_kv == 256:
+  if not persistent and head_dim <= 64 and (block_kv == 256 or packed):
     # The widest score tile (64 x 256) gains from 8 more registers per compute
     # thread (setmaxnreg 240, the producer 24): D=64 non-causal T >= 8192
     # +5-6% in the fa3 benchmark; D=256 lost 1% there, the other defaults
-    # were within noise (2026-12-01, sixth session).
+    # were within noise (2026-12-01, sixth session). Packed rows' 128-key
+    # tiles were measured with them too (tenth session).
     config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
   # Shrink the ring until it fits (interpret mode's P buffer included there).
   while (forward_smem_bytes(config, head_dim, 2, interpret=interpret)

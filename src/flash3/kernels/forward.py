@@ -150,12 +150,14 @@ def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
 
 
 def default_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
-                   kv_len: int, *, interpret: bool = False) -> ForwardConfig:
+                   kv_len: int, *, interpret: bool = False,
+                   packed: bool = False) -> ForwardConfig:
   """The config ``attention_forward`` runs when given none: ``forward_config``
-  for head_dim padded to a multiple of 64, sized to this GPU's SMs."""
+  for head_dim padded to a multiple of 64, sized to this GPU's SMs (packed:
+  segment ids are given)."""
   return forward_config(_round_up(head_dim, HEAD_DIM_MULTIPLE), dtype, mask,
                         q_len, kv_len, interpret=interpret,
-                        num_sms=_device.sm_count())
+                        num_sms=_device.sm_count(), packed=packed)
 
 
 def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
@@ -233,7 +235,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   interpret_params = common.interpret_params(interpret)
   if config is None:
     config = default_config(D, q.dtype, mask, Tq, Tk,
-                            interpret=interpret_params is not None)
+                            interpret=interpret_params is not None,
+                            packed=extras["segments"] is not None)
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
