@@ -338,6 +338,8 @@ def main():
   ap.add_argument("--time-budget", type=float, default=300)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/tune")
   args = ap.parse_args()
+  if args.docs is not None and (args.docs < 1 or any(T % args.docs for T in args.T)):
+    ap.error(f"--docs {args.docs}: needs a positive divisor of every --T {args.T}")
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
   tasks = []

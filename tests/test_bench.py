@@ -644,6 +644,14 @@ def test_headline_pairs_like_for_like():
   # Without cudnn-det (or flash3-nondet) that pair's lines are absent.
   text = report.headline([r for r in rows if r.impl != "cudnn-det"])
   assert "over cudnn-det" not in text and "flash3-nondet over cudnn" in text
+  # Without the baseline (cudnn) only the pair that does not need it.
+  alone = [r for r in rows if r.impl != "cudnn"]
+  for r in alone:
+    r.ratio_to_baseline = None
+  results_lib.add_ratios(alone, "cudnn")
+  text = report.headline(alone)
+  assert text.startswith("Like for like, flash3 over cudnn-det")
+  assert "- fa3 fwd: 1.63 (1.33-2.00; 2)" in text and "over cudnn " not in text
 
 
 def test_markdown_lists_the_subjects_configs_once_per_case():

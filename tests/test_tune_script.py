@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -113,6 +114,14 @@ def test_tune_vary_starts_from_the_packed_default():
   vary = tune._parse_vary(["num_stages=2"])
   assert tune._vary_candidates("fwd", 64, 16384, True, None, vary)[0].persistent
   assert not tune._vary_candidates("fwd", 64, 16384, True, None, vary, 8)[0].persistent
+
+
+def test_tune_docs_must_divide_every_length(monkeypatch, capsys):
+  tune = _tune_module()
+  monkeypatch.setattr(sys, "argv", ["tune.py", "--docs", "3", "--T", "4096"])
+  with pytest.raises(SystemExit):
+    tune.main()
+  assert "--docs 3" in capsys.readouterr().err
 
 
 def test_tune_visible_pairs_of_packed_documents():

@@ -268,8 +268,8 @@ def headline(results: Iterable[Result], subject: str = "flash3",
   ran = [r for r in results if r.status == "ok" and r.tflops]
   results = [r for r in ran
              if r.ratio_to_baseline is not None and r.ratio_to_baseline > 0]
-  if not results:
-    return ""
+  if not results:  # The baseline did not run: only the like-for-like pairs.
+    return "\n".join(_like_for_like(ran, subject, baseline)).strip("\n")
   others = sorted({r.impl for r in results} - {subject, baseline})
   impls = [i for i in [subject] + others if any(r.impl == i for r in results)]
   kinds: dict[str, set] = {}  # Suite -> its (dtype, D): "all" rows if several.

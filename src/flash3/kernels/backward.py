@@ -67,10 +67,10 @@ Limitations (today):
   ``BackwardConfig(deterministic=False)`` (D 64 and 128) is the 5-matmul
   variant: the dk/dv kernel alone, adding dq += ds k with TMA reduce-add;
   ``BackwardConfig(share_dq=True)`` (D = 128) has the two warpgroups share
-  each query tile's dq, one reduce-add per CTA instead of one per warpgroup.
-  ``dot_product_attention(deterministic=False)`` takes the first at D = 64
-  and the second at D = 128 without a causal mask or window, where H200
-  sweeps found them faster than the two kernels.
+  each query tile's dq, one reduce-add per CTA instead of one per warpgroup;
+  ``pair_dq`` issues dq's matmul beside dk's (FlashAttention-3's order).
+  ``dot_product_attention(deterministic=False)`` takes the paired form at
+  D = 64 only, where H200 sweeps found it faster than the two kernels.
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ class BackwardConfig:
       CTA sends one float32 (64, D) dq tile per query tile by reduce-add
       instead of one per warpgroup (half the atomic traffic, half the dq
       registers), as FlashAttention-3 does. Needs head_dim a multiple of 128.
-      Its GPU tests passed on an H200 (2026-12-01, sixth session); the
-      heuristic takes it for deterministic=False at head_dim 128 without a
-      causal mask or window.
+      Its GPU tests passed on an H200 (2026-12-01, sixth session); no
+      heuristic takes it since the tenth session (0.70-0.79 of cuDNN, the
+      two deterministic kernels 0.93-0.95 on the same shapes).
     overlap_matmuls: issue the two score-shaped matmuls of a tile (s = q k^T
       and dp = do v^T; in the dk/dv kernel their transposes) back to back and
       compute p while dp's runs, then issue dv += pT do and compute dsT while
@@ -162,9 +162,10 @@ class BackwardConfig:
       dsT q and send dq's tile while dk's matmul runs, as FlashAttention-3's
       backward does, instead of a separate matmul and wait after dk's
       (``_dq_product``). GPU path only (interpret mode runs the unpaired
-      order, as for ``overlap_matmuls``). An A/B knob written in the ninth
-      session after its device time: CUDA lowering checked on the CPU, not
-      yet run on a GPU.
+      order, as for ``overlap_matmuls``). Its GPU tests and racecheck passed
+      on an H200 (tenth session); 3-7% faster than the unpaired order on
+      three of four head_dim 64 shapes, 1% slower on one: the heuristic takes
+      it for deterministic=False at head_dim 64.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -264,13 +265,14 @@ class BackwardConfig:
     kernel's longest query tiles first (2-5% faster). ``deterministic=False``
     allows the single-kernel backward, taken where it was faster: head_dim
     64 (2-13% on three of four shapes, docs/benchmarks/h200/2026-12-01-s4/
-    tune.md), in FlashAttention-3's order (``pair_dq``: 2-7% more on three
+    tune.md), in FlashAttention-3's order (``pair_dq``: 3-7% more on three
     of four shapes, 1% less on one; tenth session, docs/benchmarks/h200/
     2026-12-01-s10/tune.md). At head_dim 128 the two deterministic kernels
-    run either way: the single kernel and its ``share_dq`` form ran at 0.61-
-    0.79 of cuDNN where the two kernels ran at 0.85-0.99 (same sweep; the
-    sixth session's 1-6% win of ``share_dq`` did not survive the later
-    gains of the two-kernel path). Not
+    run either way: in the same session's sweep the single kernel ran at
+    0.61-0.73 of cuDNN, the two kernels at 0.85-0.98, and in its benchmark
+    the ``share_dq`` form at 0.70-0.79 against 0.93-0.95 (the sixth
+    session's 1-6% win of ``share_dq`` did not survive the later gains of
+    the two-kernel path). Not
     below 64: the backward runs D as given (the forward pads it) and the
     single kernel's dq tile does not lower for D < 64. A short window (at
     most 2048 keys per 128 queries) takes 64-key tiles in the dq kernel,

@@ -239,7 +239,8 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int,
   8 causal documents of 2048 at T=16384 it ran 12% (D=128) and 51% (D=64)
   slower; without causal it was 9% slower at D=64, 5% faster at D=128
   with equal documents (tenth session, docs/benchmarks/h200/2026-12-01-s10/
-  tune.md), which real, unequal documents would not keep.
+  tune.md), which real, unequal documents would not keep. Packed rows with
+  a short window follow the packed rule, unmeasured.
   """
   if packed:
     return False
