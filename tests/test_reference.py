@@ -332,6 +332,19 @@ def test_sinks_take_weight_from_values():
   np.testing.assert_allclose(lse.ravel(), [np.log(4.0)], rtol=1e-6)
 
 
+def test_nan_sink_poisons_its_head_only():
+  # A NaN sink makes its head's o and lse NaN (as the kernels do), not a
+  # finite unnormalised sum with lse -inf; the other heads are untouched.
+  rng = np.random.default_rng(3)
+  q, k, v = rand_qkv(rng, 1, 5, 7, 2, 2, 8)
+  sinks = np.array([0.5, np.nan], np.float32)
+  out, lse = flash(q, k, v, sinks=sinks)
+  good, good_lse = flash(q, k, v, sinks=np.array([0.5, 0.0], np.float32))
+  assert np.isnan(out[:, :, 1]).all() and np.isnan(lse[:, :, 1]).all()
+  np.testing.assert_array_equal(out[:, :, 0], good[:, :, 0])
+  np.testing.assert_array_equal(lse[:, :, 0], good_lse[:, :, 0])
+
+
 # ------------------------------------------------------ fully masked rows
 
 

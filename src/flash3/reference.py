@@ -95,7 +95,9 @@ def attention_reference(
   l = p.sum(axis=-1)
   if sinks is not None:
     l = l + jnp.exp(sink - m)
-  has_mass = l > 0
+  # l is 0 only for a row with nothing visible and no sink; NaN (a NaN sink
+  # or logit) must reach o and lse, as it does in the kernels.
+  has_mass = l != 0
   l_safe = jnp.where(has_mass, l, 1.0)
   o = jnp.einsum("bkgqt,btkd->bqkgd", p, vf,
                  precision=jax.lax.Precision.HIGHEST)
