@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import flash3
 from flash3.kernels import common
 from flash3.kernels.config import (PINGPONG_MODES, SMEM_LIMIT_BYTES, ForwardConfig,
                                    forward_config, forward_smem_bytes)
@@ -761,6 +762,35 @@ def test_interpret_rows_that_see_no_key_e06(sinks):
                              np.broadcast_to(expect, (2, 70)), rtol=1e-6)
   np.testing.assert_allclose(lse[1], np.broadcast_to(expect, (2, 140)), rtol=1e-6)
   assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+
+
+def _check_nan_sink(T, D, interpret):
+  """A NaN sink is data: its head's o and lse are NaN on the kernel and the
+  XLA path alike; the other head is untouched."""
+  q, k, v = make_qkv(jax.random.key(9), 1, T, T, 2, 1, D, jnp.bfloat16)
+  sinks = jnp.asarray([0.5, jnp.nan], jnp.float32)
+  if interpret:
+    o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=NO_MASK, sinks=sinks)
+  else:
+    o, lse = attention_forward(q, k, v, scale=0.125, mask=NO_MASK, sinks=sinks)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  assert np.isnan(o[:, :, 1]).all() and np.isnan(lse[:, 1]).all()
+  assert np.isfinite(o[:, :, 0]).all() and np.isfinite(lse[:, 0]).all()
+  ref_o, ref_lse = flash3.dot_product_attention(
+      q, k, v, scale=0.125, sinks=sinks, implementation="xla", return_residual=True)
+  assert np.isnan(np.asarray(ref_o, np.float32)[:, :, 1]).all()
+  assert np.isnan(np.asarray(ref_lse)[:, :, 1]).all()
+
+
+@pytest.mark.interpret
+def test_interpret_nan_sink_poisons_its_head_like_the_xla_path():
+  _check_nan_sink(64, 64, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,D", [(64, 64), (4096, 128)])  # persistent, grid
+def test_gpu_nan_sink_poisons_its_head_like_the_xla_path(T, D):
+  _check_nan_sink(T, D, interpret=False)
 
 
 def _poison_past(x, lengths):

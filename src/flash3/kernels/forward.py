@@ -800,7 +800,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       l = l * alpha + jnp.exp2(sink2 - m_fin)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       m = m_fin
-    seen = l > 0
+    # l is 0 only where nothing was seen (and no sink); a NaN l (a NaN sink)
+    # must reach lse as well as o.
+    seen = l != 0
     inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     # (m + log2 l) ln 2, not m ln 2 + ln l: approximate ln is log2 times ln 2,
