@@ -290,3 +290,23 @@ def test_keys_and_queries_in_reach_are_exactly_those_that_see(
   has_keys = np.asarray(kl) > 0
   assert not (sees & ~rows).any()
   np.testing.assert_array_equal(rows[has_keys], sees[has_keys])
+
+
+def test_interpret_kernels_warns_once_on_a_small_host(monkeypatch):
+  # jax's GPU interpreter stalled with 2 CPU devices on a 2-core host (the
+  # test suite runs with 4, see conftest.py): interpret_kernels says so once.
+  from flash3 import _dispatch
+  monkeypatch.setattr(_dispatch, "_warned", set())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with flash3.interpret_kernels():  # 4 CPU devices here: no warning
+      pass
+  real = jax.devices
+  monkeypatch.setattr(jax, "devices", lambda *a: real(*a)[:2])
+  with pytest.warns(UserWarning, match="device_count=4"):
+    with flash3.interpret_kernels():
+      pass
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with flash3.interpret_kernels():  # once only
+      pass

@@ -15,6 +15,9 @@ from flash3._validate import Problem
 
 _interpret_params = None   # set by interpret_kernels()
 _warned: set[str] = set()
+# Fewer host devices than this and jax's GPU interpreter was seen to stall
+# (its warpgroup threads wait on each other; see interpret_kernels).
+MIN_INTERPRET_CPU_DEVICES = 4
 
 
 @contextlib.contextmanager
@@ -24,13 +27,27 @@ def interpret_kernels(detect_races: bool = False):
   For testing the kernel logic on machines without a GPU (slow: use small
   shapes). Inside this context implementation="mosaic" works on any device.
 
+  The interpreter runs every warpgroup of a kernel as a host thread that
+  waits on the others at barriers; with fewer than 4 CPU devices (a small
+  host) it was seen to stall for good (2 cores, 2 devices: the forward with
+  causal segment ids and GQA at head_dim 64). Set
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax starts,
+  as the test suite does; a warning says so once.
+
   Args:
     detect_races: ask the interpreter to report shared-memory races; after a
       call, ``jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call
       .get_races().races_found`` says whether it found one (jax 0.11.2; its
       wgmma operands are not race-checked).
   """
+  import jax
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  if len(jax.devices("cpu")) < MIN_INTERPRET_CPU_DEVICES:
+    warn_once(
+        f"flash3.interpret_kernels: {len(jax.devices('cpu'))} CPU device(s); "
+        f"jax's GPU interpreter can stall with fewer than "
+        f"{MIN_INTERPRET_CPU_DEVICES}: set XLA_FLAGS=--xla_force_host_platform_"
+        f"device_count={MIN_INTERPRET_CPU_DEVICES} before importing jax")
   global _interpret_params
   previous = _interpret_params
   _interpret_params = plgpu.InterpretGPUParams(detect_races=detect_races)
