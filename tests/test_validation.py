@@ -193,6 +193,21 @@ def test_window_takes_concrete_integer_scalars():
                                   np.asarray(want))
 
 
+def test_concrete_lengths_closed_over_in_jit_are_checked_on_the_host():
+  # A jax array captured by a jitted function is concrete: checked, not traced
+  # (jnp.min of it inside the trace used to raise ConcretizationTypeError).
+  q, k, v = qkv()
+  lengths = jnp.array([2, TQ])
+  f = jax.jit(lambda q: call(q, k, v, query_seq_lengths=lengths))
+  # (jit may round differently from the eager call: 1 ulp.)
+  np.testing.assert_allclose(np.asarray(f(q)),
+                             np.asarray(call(q, k, v, query_seq_lengths=lengths)),
+                             rtol=1e-6, atol=1e-6)
+  bad = jnp.array([2, TQ + 1])
+  with pytest.raises(ValueError, match="query_seq_lengths has values in"):
+    jax.jit(lambda q: call(q, k, v, query_seq_lengths=bad))(q)
+
+
 def test_traced_lengths_out_of_range_are_clamped():
   # Traced lengths cannot be checked; values past [0, T] act as the nearest
   # bound (a length of 99 is the whole row), never as a shifted alignment.

@@ -189,7 +189,10 @@ def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
                if unbatched else f"(B,) = ({batch},)")
     raise ValueError(f"{name} has shape {_shape(x)}; allowed: {allowed}")
   if _is_concrete(x) and x.size:
-    lo, hi = int(jnp.min(x)), int(jnp.max(x))
+    # On the host: a concrete array closed over inside jit is still concrete,
+    # but jnp.min of it there would be traced.
+    host = np.asarray(x)
+    lo, hi = int(host.min()), int(host.max())
     if lo < 0 or hi > max_len:
       raise ValueError(
           f"{name} has values in [{lo}, {hi}]; allowed: 0 <= length <= {max_len}")
