@@ -2,7 +2,8 @@
 
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
-then the persistent forward (plain, causal) with 2 CTAs looping over the work items,
+then the persistent forward (plain, causal, causal packed documents) with 2 CTAs
+looping over the work items,
 causal D=64's default (256-key tiles, a 2-slot ring that wraps, persistent),
 the forward with overlapped softmax (grid, persistent), the other ping-pong modes, exp2 on the FMA pipes,
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
@@ -49,6 +50,15 @@ for name, mask in {"persistent plain": MaskSpec(),
                          reverse_q_tiles=base.reverse_q_tiles, persistent=True, num_sms=2)
   o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
   print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+# The persistent forward with packed documents: its schedule table is built on
+# the device from the segment ids (schedule.segment_schedule).
+ids = jnp.repeat(jnp.arange(3), 64)[None]
+o, lse = attention_forward(
+    q, k[:, :192], v[:, :192], scale=0.125, mask=MaskSpec(causal=True),
+    config=ForwardConfig(block_kv=64, reverse_q_tiles=True, persistent=True, num_sms=2),
+    q_segment_ids=ids, kv_segment_ids=ids)
+print(f"persistent causal packed: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 # The forward with each tile's softmax overlapping the previous P @ V (opt-in,
 # ForwardConfig(overlap_softmax=True)), grid and persistent.

@@ -144,7 +144,7 @@ def _vary_candidates(what, D, T, causal, window, vary, docs=None):
                   window_right=None if window is None or causal else window)
   base = (default_config(D, "bfloat16", mask, T, T, packed=docs is not None)
           if what == "fwd"
-          else BackwardConfig.heuristic(D, T, T, mask))
+          else BackwardConfig.heuristic(D, T, T, mask, packed=docs is not None))
   names = list(vary)
   out = []
   for values in itertools.product(*(vary[n] for n in names)):

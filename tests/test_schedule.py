@@ -60,3 +60,57 @@ def test_window_costs_count_the_visited_key_tiles():
 def test_bad_num_ctas():
   with pytest.raises(ValueError, match="num_ctas"):
     schedule.lpt_schedule(np.ones(3), 4)
+
+
+def _doc_ranges(doc_lens, *, T, block_q=64, block_kv=128):
+  """Per 64-row query tile, the key tiles its documents touch (numpy, by hand)."""
+  ids = np.repeat(np.arange(len(doc_lens)), doc_lens)
+  assert len(ids) == T
+  out = []
+  for t in range(-(-T // block_q)):
+    docs = set(ids[t * block_q:(t + 1) * block_q])
+    keys = np.flatnonzero(np.isin(ids, list(docs)))
+    out.append([keys[0] // block_kv, keys[-1] // block_kv + 1, 0, 0])
+  return np.asarray(out, np.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_ctas", [1, 7, 100, 128])
+def test_segment_schedule_runs_every_item_once_balanced_longest_first(causal, num_ctas):
+  # Two rows of packed documents of unequal lengths, 4 heads, T=2048.
+  T, N = 2048, 4
+  rows = [[100, 900, 48, 1000], [2048]]
+  ranges = np.stack([_doc_ranges(r, T=T) for r in rows])
+  mask = MaskSpec(causal=causal)
+  mask_ranges = schedule.cta_tile_ranges(mask, q_len=T, kv_len=T, cta_rows=128,
+                                         block_kv=128)
+  table = np.asarray(schedule.segment_schedule(
+      ranges, mask_ranges, num_heads=N, reverse_q_tiles=causal, num_ctas=num_ctas))
+  # The cost of each item in grid order (heads fastest), computed here by hand.
+  costs = []
+  for b in range(2):
+    for q_idx in range(16):
+      c = 15 - q_idx if causal else q_idx
+      lo = max(min(ranges[b, 2 * c, 0], ranges[b, 2 * c + 1, 0]), mask_ranges[c, 0])
+      hi = min(max(ranges[b, 2 * c, 1], ranges[b, 2 * c + 1, 1]), mask_ranges[c, 1])
+      costs += [max(hi - lo, 0) + schedule.ITEM_OVERHEAD_TILES] * N
+  costs = np.asarray(costs)
+  assert table.dtype == np.int32 and table.shape[0] == num_ctas
+  assert sorted(i for items in _items(table) for i in items) == list(range(len(costs)))
+  assert all(len(items) >= 1 for items in _items(table))
+  assert table.shape[1] == 2 + max(table[:, 0]) and (table[:, -1] == 0).all()
+  for items in _items(table):  # Each CTA runs its longest items first.
+    assert list(costs[items]) == sorted(costs[items], reverse=True)
+  # Within one item's cost of a perfect split (the snake deal's bound).
+  loads = _loads(table, costs)
+  assert max(loads) - min(loads) <= costs.max()
+  # The documents matter: the first row's items cost less than whole causal rows.
+  assert costs[:16 * N].sum() < costs[16 * N:].sum()
+
+
+def test_segment_schedule_bad_num_ctas():
+  ranges = np.zeros((1, 2, 4), np.int32)
+  mask_ranges = np.zeros((1, 2), np.int64)
+  with pytest.raises(ValueError, match="num_ctas"):
+    schedule.segment_schedule(ranges, mask_ranges, num_heads=1,
+                              reverse_q_tiles=False, num_ctas=2)

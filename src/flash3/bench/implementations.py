@@ -128,7 +128,8 @@ def flash3_configs(case, deterministic: bool = True) -> str:
                        case.kv_len, packed=case.num_docs is not None)
   # The backward runs D as given (only the forward pads it).
   bwd = BackwardConfig.heuristic(case.head_dim, case.q_len, case.kv_len, spec,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic,
+                                 packed=case.num_docs is not None)
   return f"fwd {fwd}; bwd {bwd}"
 
 

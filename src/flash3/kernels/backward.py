@@ -257,7 +257,8 @@ class BackwardConfig:
   def heuristic(cls, head_dim: int, q_len: int, kv_len: int,
                 mask: MaskSpec | None = None, *,
                 interpret: bool = False,
-                deterministic: bool = True) -> "BackwardConfig":
+                deterministic: bool = True,
+                packed: bool = False) -> "BackwardConfig":
     """A config that fits shared memory for head_dim (and interpret mode's staging).
 
     From a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16, T 4096
@@ -278,7 +279,13 @@ class BackwardConfig:
     most 2048 keys per 128 queries) takes 64-key tiles in the dq kernel,
     less work outside the window: 12% faster for a causal window of 1024 at
     T=16384, D=128 (sweep of 2026-12-01, fifth session,
-    docs/benchmarks/h200/2026-12-01-s5/tune.md).
+    docs/benchmarks/h200/2026-12-01-s5/tune.md). ``packed`` (segment ids
+    given) with a causal mask: 64-key dq tiles and, at head_dim 64, 64-query
+    dk/dv tiles, so less of each tile lies past a document's diagonal: with 8
+    causal documents per row (eleventh session, docs/benchmarks/h200/
+    2026-12-02-s11/tune.md) D=64 T=16384 ran 274 against 241 TFLOP/s, D=128
+    376 against 354 at T=16384 and 201 against 173 at T=4096. Packed rows
+    without causal keep the other defaults (D=128 ran even either way).
     """
     del q_len  # Same choice for all query lengths today.
     causal = bool(mask is not None and mask.causal)
@@ -296,6 +303,8 @@ class BackwardConfig:
       config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
                    compute_wgs_dkv=1, num_stages=2, split_dkv=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
+    if packed and causal and head_dim <= 128:
+      config = dataclasses.replace(config, block_kv_dq=64, block_q_dkv=64)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
                                    pair_dq=True)
@@ -1169,7 +1178,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   if config is None:
     config = BackwardConfig.heuristic(head_dim, q_len, k.shape[1], mask,
                                       interpret=common.is_interpret(interpret),
-                                      deterministic=deterministic)
+                                      deterministic=deterministic,
+                                      packed=q_segment_ids is not None)
   config.check_fits(head_dim, q.dtype.itemsize,
                     interpret=common.is_interpret(interpret))
   do = do.astype(q.dtype)

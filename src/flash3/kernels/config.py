@@ -90,8 +90,9 @@ class ForwardConfig:
       the most keys under a causal mask start first; see
       ``common.grid_index``).
     persistent: launch ``min(num_sms, work items)`` CTAs that each loop over
-      work items (head, query tile, batch) in a static longest-first order
-      (``schedule.lpt_schedule``; round-robin when all cost the same); the
+      work items (head, query tile, batch) longest first
+      (``schedule.lpt_schedule``; round-robin when all cost the same; with
+      segment ids ordered by each item's documents on the device); the
       K/V ring streams on across items, so the producer loads the next item's
       tiles while the compute warpgroups finish the current one.
     num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
@@ -234,13 +235,15 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int,
   plus a tile): a causal window of 1024 at T=16384, D=128 ran 12% faster
   persistent (sweep of 2026-12-01, fifth session, docs/benchmarks/h200/
   2026-12-01-s5/tune.md); other windows follow the non-causal rule untested.
-  Packed rows (segment ids) take the grid kernel: the persistent kernel's
-  static schedule cannot know how long each item's documents are, and with
-  8 causal documents of 2048 at T=16384 it ran 12% (D=128) and 51% (D=64)
-  slower; without causal it was 9% slower at D=64, 5% faster at D=128
-  with equal documents (tenth session, docs/benchmarks/h200/2026-12-01-s10/
-  tune.md), which real, unequal documents would not keep. Packed rows with
-  a short window follow the packed rule, unmeasured.
+  Packed rows (segment ids) take the grid kernel. With a static schedule
+  (blind to each item's documents) the persistent kernel ran 8 causal
+  documents of 2048 at T=16384 12% (D=128) and 51% (D=64) slower (tenth
+  session, docs/benchmarks/h200/2026-12-01-s10/tune.md); with the schedule
+  built from the documents on the device (``schedule.segment_schedule``,
+  eleventh session, docs/benchmarks/h200/2026-12-02-s11/tune.md) it ran
+  causal D=64 +2%, D=128 -7%, and without causal D=64 -13%, D=128 even: no
+  shape gains enough to leave the grid kernel's dynamic block scheduling.
+  Packed rows with a short window follow the packed rule, unmeasured.
   """
   if packed:
     return False

@@ -53,9 +53,10 @@ reach the output; keys past kv_len and whole unseen tiles cannot.
 Persistent kernel (``ForwardConfig.persistent``, issue 3; the default for short
 sequences, ``config._prefers_persistent``): instead of
 one CTA per (head, query tile, batch), ``min(num_sms, items)`` CTAs each loop
-over the work items a static schedule gives it (``schedule.lpt_schedule``:
+over the work items a schedule gives it (``schedule.lpt_schedule``:
 longest first, to the least-loaded CTA; round-robin in the grid's order when
-all items cost the same). The K/V ring and its barriers run on
+all items cost the same; with segment ids ``schedule.segment_schedule``
+builds it on the device from each item's documents). The K/V ring and its barriers run on
 across items (a carried tile count places each tile's slot), so the producer
 streams the next item's K/V while the compute warpgroups finish the current
 one; when shared memory allows, o is staged apart from q and the next item's
@@ -436,10 +437,18 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
     # One CTA per SM (at most one per work item), each looping over the items
     # the schedule gives it (a static table, read as scalars in the kernel).
     num_ctas = min(config.num_sms, N * num_q_ctas * B)
-    costs = schedule.item_costs(
-        mask, q_len=Tq, kv_len=Tk, num_heads=N, batch=B, cta_rows=cta_rows,
-        block_kv=block_kv, reverse_q_tiles=config.reverse_q_tiles)
-    extra_inputs += (jnp.asarray(schedule.lpt_schedule(costs, num_ctas)),)
+    if segments is not None:
+      # Each item's work depends on its documents: a table built on the device.
+      table = schedule.segment_schedule(
+          ranges, schedule.cta_tile_ranges(mask, q_len=Tq, kv_len=Tk,
+                                           cta_rows=cta_rows, block_kv=block_kv),
+          num_heads=N, reverse_q_tiles=config.reverse_q_tiles, num_ctas=num_ctas)
+    else:
+      costs = schedule.item_costs(
+          mask, q_len=Tq, kv_len=Tk, num_heads=N, batch=B, cta_rows=cta_rows,
+          block_kv=block_kv, reverse_q_tiles=config.reverse_q_tiles)
+      table = jnp.asarray(schedule.lpt_schedule(costs, num_ctas))
+    extra_inputs += (table,)
     body = functools.partial(body, num_ctas=num_ctas)
     grid, grid_names = (num_ctas,), (common.CTA_AXIS,)
   else:
