@@ -133,3 +133,13 @@ for name, cfg in (("plain-order backward", BackwardConfig(overlap_matmuls=False)
   dq3, dk3, dv3 = attention_backward(q, k, v, o, lse, o, scale=0.125, mask=mask, config=cfg)
   print(f"{name}: finite "
         f"{all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in (dq3, dk3, dv3))}")
+
+# Half edge tiles (ForwardConfig.half_edge_tiles): a causal window whose edges
+# fall in the middle of 128-key tiles, grid and persistent.
+for persistent in (False, True):
+  o, lse = attention_forward(
+      q, k, v, scale=0.125, mask=MaskSpec(causal=True, window_left=100),
+      config=ForwardConfig(block_kv=128, half_edge_tiles=True, persistent=persistent,
+                           num_sms=2, reverse_q_tiles=True))
+  print(f"half edge tiles, persistent={persistent}: finite "
+        f"{bool(jnp.isfinite(o.astype(jnp.float32)).all())}")

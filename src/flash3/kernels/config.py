@@ -127,6 +127,15 @@ class ForwardConfig:
       block_kv. An A/B knob: on an H200 (ninth session) 32 columns were 2-7%
       slower at head_dim 64 and 128 (MUFU does not bound the softmax there);
       its GPU tests pass.
+    half_edge_tiles: a warpgroup computes only the half of its first or last
+      key tile that the mask lets its 64 rows see, when the other half is
+      wholly invisible to them (a window's far edge, a causal diagonal past
+      the warpgroup's last row): a (64, block_kv / 2) score tile and P @ V of
+      half the depth. With 128-key tiles a causal window of 1024 computes
+      1088 keys per row instead of 1152. Needs block_kv 128 or 256 and
+      overlap_softmax off. ``forward_config`` turns it on for windows (a
+      causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
+      eleventh session).
   """
 
   block_q: int = 64
@@ -141,6 +150,7 @@ class ForwardConfig:
   named_barriers: bool = True
   pingpong: str = "meeting"
   exp2_fma_cols: int = 0
+  half_edge_tiles: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -162,6 +172,14 @@ class ForwardConfig:
                        f"num_stages={self.num_stages}")
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     check_registers(self.compute_registers, self.producer_registers)
+    check_bool("half_edge_tiles", self.half_edge_tiles)
+    if self.half_edge_tiles and (self.block_kv not in (128, 256)
+                                 or self.overlap_softmax):
+      # A half tile is one wgmma N of 64 or 128 keys; the overlapped branch
+      # stages P in a fixed (64, block_kv) tile.
+      raise ValueError(
+          f"half_edge_tiles=True needs block_kv 128 or 256 and overlap_softmax="
+          f"False; got block_kv={self.block_kv}, overlap_softmax={self.overlap_softmax}")
 
 
 def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
@@ -316,9 +334,15 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # kept D=256 0.5-1.4% faster (ninth session, docs/benchmarks/h200/
   # 2026-12-01-s9/tune.md).
   pingpong = "handoff" if head_dim > 128 else "meeting"
+  # A window's edges cut its first and last key tiles: computing only the
+  # half a warpgroup sees ran a causal window of 1024 at T=16384 6% faster
+  # at D=64 and D=128 (eleventh session, docs/benchmarks/h200/2026-12-02-s11/
+  # tune.md); plain causal and packed rows are unmeasured and keep whole tiles.
+  half_edge_tiles = windowed and block_kv in (128, 256)
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
-                         num_sms=num_sms, pingpong=pingpong)
+                         num_sms=num_sms, pingpong=pingpong,
+                         half_edge_tiles=half_edge_tiles)
   if not persistent and head_dim <= 64 and (block_kv == 256 or packed):
     # The widest score tile (64 x 256) gains from 8 more registers per compute
     # thread (setmaxnreg 240, the producer 24): D=64 non-causal T >= 8192

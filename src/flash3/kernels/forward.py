@@ -48,7 +48,12 @@ memory. The soft cap acts on natural-unit scores before the exp2 conversion
 (tanh.approx on the GPU); sinks enter the denominator at the end, as one more
 logit. Limitation (as for causal before): NaN in a V row that no query sees
 but that shares a key tile with visible keys (segments, windows) can still
-reach the output; keys past kv_len and whole unseen tiles cannot.
+reach the output; keys past kv_len and whole unseen tiles cannot (nor, with
+``ForwardConfig.half_edge_tiles``, the unseen half of an edge tile).
+
+Half edge tiles (``ForwardConfig.half_edge_tiles``, the default for windows):
+a warpgroup whose first key tile's lower half, or last tile's upper half, is
+invisible to all its rows by the mask computes only the other half there.
 
 Persistent kernel (``ForwardConfig.persistent``, issue 3; the default for short
 sequences, ``config._prefers_persistent``): instead of
@@ -471,6 +476,23 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
   return kernel(q, k, v, *extra_inputs)
 
 
+def _half_edges(mask: MaskSpec, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv: int):
+  """``ForwardConfig.half_edge_tiles``: ``(a, b)`` with ``w_lo <= a <= b <= w_hi``.
+
+  ``a = w_lo + 1`` when no row of ``[q_lo, q_hi)`` may see a key in the lower
+  half of tile ``w_lo`` (by the mask and Tk), so only its upper half is
+  computed; ``b = w_hi - 1`` likewise for the upper half of tile ``w_hi - 1``
+  (only its lower half is computed). Else ``a = w_lo``, ``b = w_hi``.
+  """
+  k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, Tk)
+  w_lo, w_hi = jnp.asarray(w_lo, jnp.int32), jnp.asarray(w_hi, jnp.int32)
+  hw = block_kv // 2
+  some = w_lo < w_hi
+  a = w_lo + (some & (k_lo >= w_lo * block_kv + hw)).astype(jnp.int32)
+  b = w_hi - (some & (k_hi <= (w_hi - 1) * block_kv + hw)).astype(jnp.int32)
+  return a, jnp.maximum(b, a)
+
+
 def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int):
   """Key tiles ``[t_lo, t_hi)`` some row of ``[q_lo, q_hi)`` sees (empty if q_hi <= q_lo)."""
   k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, Tk)
@@ -594,8 +616,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     reduced = plgpu.Layout.WGMMA.reduce(1)
     D = q_smem.shape[-1]
 
-    def scores(s, t, *, masked: bool):
-      """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked."""
+    def scores(s, t, *, masked: bool, half: int | None = None):
+      """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked;
+      ``half`` 0 / 1: s holds only that half of the tile's keys."""
       # Scale first, then take the max of the scaled scores: exp2(s - m) <= 1
       # exactly, even where an FMA's unrounded product would overflow (E03;
       # folding the scale into an FMA s * c - m was tried: with |m| >= 2**31
@@ -608,14 +631,15 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       if masked:
         q_idx = q_lo + plgpu.broadcasted_iota(
             jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-        k_idx = t * block_kv + plgpu.broadcasted_iota(
+        k0 = t * block_kv + (0 if half is None else half * (block_kv // 2))
+        k_idx = k0 + plgpu.broadcasted_iota(
             jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         keep = k_idx < Tk
         if mask.is_structural:
           keep = keep & mask.visible(q_idx, k_idx, shift)
         if has_segments:
           kv_ids = plgpu.load(
-              kv_ids_ref.at[batch, pl.ds(t * block_kv, block_kv)],
+              kv_ids_ref.at[batch, pl.ds(k0, s.shape[1])],
               layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
           keep = keep & (lax.broadcast_in_dim(q_ids, s.shape, [0])
                          == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
@@ -631,24 +655,30 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         return m_new, jnp.where(m_new == -jnp.inf, 0.0, m_new)
       return m_new, m_new
 
-    def softmax(s, t, m, *, masked: bool):
+    def softmax(s, t, m, *, masked: bool, half: int | None = None):
       """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
-      s = scores(s, t, masked=masked)
+      s = scores(s, t, masked=masked, half=half)
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
       p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
                           config.exp2_fma_cols, guard=staging)
       return p, m_new, alpha
 
-    def compute_step(t, carry, *, masked: bool):
+    def compute_step(t, carry, *, masked: bool, half: int | None = None):
       # K of tile t was waited for already: by the previous compute step,
-      # while its P @ V ran, or before the first compute step.
+      # while its P @ V ran, or before the first compute step. ``half`` 0 / 1
+      # (config.half_edge_tiles): only that half of the tile's keys.
       acc, m, l = carry
       slot = slot_of(t)
-      s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
-                             (block_q, block_kv), while_running=turns.signal)
+      k_tile, v_tile, width = smem["k"].at[slot], smem["v"].at[slot], block_kv
+      if half is not None:
+        width = block_kv // 2
+        k_tile = k_tile.at[pl.ds(half * width, width)]
+        v_tile = v_tile.at[pl.ds(half * width, width)]
+      s = common.matmul_smem(q_smem, k_tile.transpose((1, 0)),
+                             (block_q, width), while_running=turns.signal)
       release["k"].free(slot)
-      p, m_new, alpha = softmax(s, t, m, masked=masked)
+      p, m_new, alpha = softmax(s, t, m, masked=masked, half=half)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha
 
@@ -671,8 +701,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         def _():
           plgpu.barrier_wait(smem["k_loaded"].at[slot_of(t + 1)])
 
-      acc = common.accumulate_register_lhs(acc, p16, smem["v"].at[slot],
-                                           staging=p_stage,
+      stage = p_stage
+      if stage is not None and half is not None:
+        stage = stage.at[:, pl.ds(0, width)]
+      acc = common.accumulate_register_lhs(acc, p16, v_tile, staging=stage,
                                            while_running=wait_next_k)
       release["v"].free(slot)
       return acc, m_new, l
@@ -790,9 +822,21 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(a2, w_hi, functools.partial(overlap_step, masked=True), carry)
       carry = lax.fori_loop(jnp.maximum(w_hi - 1, w_lo), w_hi, last_pv, carry)
     else:
-      carry = lax.fori_loop(w_lo, m1, functools.partial(compute_step, masked=True), carry)
-      carry = lax.fori_loop(m1, m2, functools.partial(compute_step, masked=False), carry)
-      carry = lax.fori_loop(m2, w_hi, functools.partial(compute_step, masked=True), carry)
+      a, b = w_lo, w_hi
+      if config.half_edge_tiles:
+        # Such tiles lie outside [m1, m2): a fully visible tile has no
+        # unseen half.
+        a, b = _half_edges(mask, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv)
+        carry = lax.fori_loop(w_lo, a, functools.partial(
+            compute_step, masked=True, half=1), carry)
+      m1c = jnp.clip(m1, a, b)
+      m2c = jnp.clip(m2, m1c, b)
+      carry = lax.fori_loop(a, m1c, functools.partial(compute_step, masked=True), carry)
+      carry = lax.fori_loop(m1c, m2c, functools.partial(compute_step, masked=False), carry)
+      carry = lax.fori_loop(m2c, b, functools.partial(compute_step, masked=True), carry)
+      if config.half_edge_tiles:
+        carry = lax.fori_loop(b, w_hi, functools.partial(
+            compute_step, masked=True, half=0), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     acc, m, l = carry
     if next_q is not None and separate_o:
