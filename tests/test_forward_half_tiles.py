@@ -105,6 +105,21 @@ def test_half_edges_cases(mask, q_lo, Tq, Tk, want):
   assert _edges(mask, q_lo, Tq, Tk) == want
 
 
+def test_interpret_cases_take_both_halves():
+  # Mask alone (documents only narrow the tiles): some warpgroup of the
+  # cases computes an upper half (a > w_lo) and some a lower half (b < w_hi).
+  uppers = lowers = 0
+  for _, _, Tq, Tk, _, _, _, _, mask, block_kv, _ in INTERPRET_CASES:
+    for q_lo in range(0, Tq, 64):
+      w_lo, w_hi, a, b = _edges(mask, q_lo, Tq, Tk, block_kv)
+      uppers += a > w_lo
+      lowers += b < w_hi
+  assert uppers > 0 and lowers > 0
+  # The case with documents, rows 256..319: tile 0's upper half (keys from
+  # 126) and tile 2's lower half (keys up to 319).
+  assert _edges(W(causal=True, window_left=130), 256, 384, 384) == (0, 3, 1, 2)
+
+
 def test_half_edges_never_empty_a_tile_some_row_sees():
   # Exhaustive over small shapes: every key a row of the warpgroup sees lies
   # in the computed range [a (upper half if a > w_lo), b (lower half of b)).
@@ -149,6 +164,11 @@ INTERPRET_CASES = [
      dict(segments=([[70, 130, 120]], [[70, 130, 120]]), sinks=[0.3, -1.0])),
     ("causal-window-256", 1, 512, 512, 2, 1, 64, jnp.bfloat16,
      W(causal=True, window_left=200), 256, {}),
+    # Rows 256..319 see keys from 126: tile 0's upper half only, with its
+    # segment ids loaded from key 64 (one document spans keys 20..383).
+    ("window-upper-half-segments", 1, 384, 384, 2, 1, 64, jnp.bfloat16,
+     W(causal=True, window_left=130), 128,
+     dict(segments=([[20, 364]], [[20, 364]]), softcap=5.0)),
 ]
 
 
@@ -186,12 +206,16 @@ def test_interpret_half_tiles_match_reference_no_races(case, persistent):
 # Lowering for the GPU (on the CPU) and the GPU
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D, block_kv", [(64, 128), (128, 128), (64, 256), (256, 128)])
-def test_half_tiles_lower_for_the_gpu(D, block_kv):
+@pytest.mark.parametrize("D, block_kv, fma_cols", [
+    (64, 128, 0), (128, 128, 0), (64, 256, 0), (256, 128, 0),
+    # More FMA-pipe exp2 columns than a half tile has: capped to its width.
+    (128, 128, 96), (64, 256, 256)])
+def test_half_tiles_lower_for_the_gpu(D, block_kv, fma_cols):
   q, k, v = make_qkv(jax.random.key(0), 1, 1000, 1000, 4, 2, D, jnp.bfloat16)
   mask = W(causal=True, window_left=300)
   stages = 1 if D == 256 else 2
-  config = ForwardConfig(block_kv=block_kv, num_stages=stages, half_edge_tiles=True)
+  config = ForwardConfig(block_kv=block_kv, num_stages=stages, half_edge_tiles=True,
+                         exp2_fma_cols=fma_cols)
   f = lambda q, k, v: attention_forward(q, k, v, scale=0.1, mask=mask, config=config)
   text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
@@ -217,3 +241,19 @@ def test_gpu_half_tiles_match_reference(case):
                          reverse_q_tiles=mask.causal)
   o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
   assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_half_tiles_with_documents_lengths_and_softcap(D):
+  # Windows edges mid-tile in both halves, inside documents of unequal
+  # lengths (segment ids loaded from a half tile's first key), with lengths.
+  B, T = 2, 2048
+  mask = W(causal=True, window_left=330)
+  q, k, v = make_qkv(jax.random.key(D), B, T, T, 4, 2, D, jnp.bfloat16)
+  opts = _expand_opts(dict(segments=([[20, 1500, 528], [700, 1348]],) * 2,
+                           softcap=30.0, q_lengths=[2048, 1500],
+                           kv_lengths=[2048, 1700]), T, T)
+  config = ForwardConfig(block_kv=128, half_edge_tiles=True, reverse_q_tiles=True)
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config, **opts)
+  assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=mask, **opts)

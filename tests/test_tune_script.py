@@ -28,6 +28,19 @@ def _tune_module():
   return _script_module("tune")
 
 
+def test_tune_vary_drops_half_tiles_where_a_variant_cannot_run_them():
+  # A window's default takes half edge tiles (128-key tiles); 64-key tiles
+  # and the overlapped softmax cannot, so those variants run whole tiles.
+  tune = _tune_module()
+  cands = tune._vary_candidates("fwd", 128, 16384, True, 1024,
+                                tune._parse_vary(["block_kv=64,128"]))
+  assert [(c.block_kv, c.half_edge_tiles) for c in cands] == [(64, False), (128, True)]
+  cands = tune._vary_candidates("fwd", 128, 16384, True, 1024,
+                                tune._parse_vary(["overlap_softmax=0,1"]))
+  assert [(c.overlap_softmax, c.half_edge_tiles) for c in cands] == [
+      (False, True), (True, False)]
+
+
 def test_tune_vary_applies_fields_to_the_default_config():
   tune = _tune_module()
   vary = tune._parse_vary(["named_barriers=0,1", "num_stages=2,3"])

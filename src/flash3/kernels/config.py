@@ -124,7 +124,8 @@ class ForwardConfig:
     exp2_fma_cols: columns of each score tile whose exp2 runs as a
       polynomial on the FMA pipes instead of the MUFU unit (kernels/exp2.py,
       FlashAttention-4's split): 0 (default) or a multiple of 16 up to
-      block_kv. An A/B knob: on an H200 (ninth session) 32 columns were 2-7%
+      block_kv (a half edge tile puts min(exp2_fma_cols, block_kv / 2) of
+      its columns there). An A/B knob: on an H200 (ninth session) 32 columns were 2-7%
       slower at head_dim 64 and 128 (MUFU does not bound the softmax there);
       its GPU tests pass.
     half_edge_tiles: a warpgroup computes only the half of its first or last
@@ -132,7 +133,7 @@ class ForwardConfig:
       wholly invisible to them (a window's far edge, a causal diagonal past
       the warpgroup's last row): a (64, block_kv / 2) score tile and P @ V of
       half the depth. With 128-key tiles a causal window of 1024 computes
-      1088 keys per row instead of 1152. Needs block_kv 128 or 256 and
+      1088 keys per warpgroup of 64 rows instead of 1152. Needs block_kv 128 or 256 and
       overlap_softmax off. ``forward_config`` turns it on for windows (a
       causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
       eleventh session).
@@ -337,7 +338,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # A window's edges cut its first and last key tiles: computing only the
   # half a warpgroup sees ran a causal window of 1024 at T=16384 6% faster
   # at D=64 and D=128 (eleventh session, docs/benchmarks/h200/2026-12-02-s11/
-  # tune.md); plain causal and packed rows are unmeasured and keep whole tiles.
+  # tune.md). Plain causal and packed rows without a window are unmeasured
+  # and keep whole tiles (packed rows with a window take half tiles too).
   half_edge_tiles = windowed and block_kv in (128, 256)
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,

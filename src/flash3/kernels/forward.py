@@ -440,7 +440,8 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
   if config.persistent:
     # One CTA per SM (at most one per work item), each looping over the items
-    # the schedule gives it (a static table, read as scalars in the kernel).
+    # the schedule gives it (a table read as scalars in the kernel: static, or built on the device
+    # from the documents when segment ids are given).
     num_ctas = min(config.num_sms, N * num_q_ctas * B)
     if segments is not None:
       # Each item's work depends on its documents: a table built on the device.
@@ -661,7 +662,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       m_new, m_sub = new_max(s, m, masked=masked)
       alpha = jnp.exp2(m - m_sub)
       p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
-                          config.exp2_fma_cols, guard=staging)
+                          min(config.exp2_fma_cols, s.shape[1]), guard=staging)
       return p, m_new, alpha
 
     def compute_step(t, carry, *, masked: bool, half: int | None = None):
