@@ -148,7 +148,24 @@ def test_speed_times_implementations_side_by_side(tmp_path, capsys):
   for r in rows.values():
     assert 0 < r["min_step_s"] <= r["median_step_s"] <= r["max_step_s"]
     assert r["tokens_per_s"] == pytest.approx(4 * 64 / r["median_step_s"])
+    lo, hi = r["paired_speed_ci95"]
+    assert lo <= r["paired_speed_vs_first"] <= hi
+    assert "kernel_ms_median" not in r  # CUPTI needs a GPU
+  assert rows["xla"]["paired_speed_vs_first"] == 1.0
   assert "| flash3 |" in capsys.readouterr().out
+
+
+def test_paired_speed_is_the_median_of_per_round_ratios():
+  from examples.train_gpt import train as train_lib  # noqa: PLC0415
+  base = [1.0, 2.0, 1.0, 4.0, 1.0]
+  other = [0.5, 2.0, 2.0, 2.0, 1.0]  # ratios 2, 1, 0.5, 2, 1
+  paired, lo, hi = train_lib.paired_speed(base, other)
+  assert paired == 1.0
+  assert 0.5 <= lo <= 1.0 <= hi <= 2.0
+  # A steady 10% gain is found however much the rounds drift together.
+  drift = np.linspace(1.0, 1.5, 40)
+  paired, lo, hi = train_lib.paired_speed(list(1.1 * drift), list(drift))
+  assert paired == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
 
 
 @pytest.mark.parametrize("argv", [["--impls", "flash3,nope"], ["--impls", ""], ["--steps", "0"]])

@@ -10,7 +10,11 @@ code on the H200). Prints the median step time, tokens per second and the ratio
 to the first implementation; with --out, writes the numbers as JSON.
 
 Timing is wall time of the whole jitted step (forward, backward, optimizer),
-after one untimed step each. Training-loss agreement is the training run's job
+after one untimed step each; the ratio to the first implementation is also
+given as the median of per-round ratios with a 95% bootstrap interval (the
+rounds are paired). On a GPU the same rounds are then timed by CUPTI: the sum
+of every kernel's time in a step (no host work or launch gaps; the median of
+3 steps per round). Training-loss agreement is the training run's job
 (python -m examples.train_gpt and compare.py); this measures speed only.
 """
 
@@ -74,20 +78,43 @@ def main(argv=None) -> dict:
       f"{model_lib.num_params(state[0]) / 1e6:.1f}M params; timing "
       f"{', '.join(args.impls)} alternately, {args.timed_steps} rounds")
   times = train_lib.time_alternately(fns, state, batch, args.timed_steps)
+  kernel_ms = None
+  if device.platform == "gpu":
+    kernel_ms = train_lib.time_kernels_alternately(fns, state, batch, args.timed_steps)
   tokens = args.batch_size * args.seq_len
-  base = float(np.median(times[args.impls[0]]))
+  first = args.impls[0]
+  base = float(np.median(times[first]))
   rows = []
   for impl in args.impls:
     t = float(np.median(times[impl]))
-    rows.append({"attention": impl, "path": attention_lib.describe(impl), "median_step_s": t,
-                 "min_step_s": float(np.min(times[impl])),
-                 "max_step_s": float(np.max(times[impl])),
-                 "tokens_per_s": tokens / t, "speed_vs_first": base / t})
-  print(f"| attention | median step (s) | min-max (s) | tokens/s | speed vs {args.impls[0]} |")
-  print("|---|---|---|---|---|")
+    paired, lo, hi = train_lib.paired_speed(times[first], times[impl])
+    row = {"attention": impl, "path": attention_lib.describe(impl), "median_step_s": t,
+           "min_step_s": float(np.min(times[impl])),
+           "max_step_s": float(np.max(times[impl])),
+           "tokens_per_s": tokens / t, "speed_vs_first": base / t,
+           "paired_speed_vs_first": paired, "paired_speed_ci95": [lo, hi]}
+    if kernel_ms is not None:
+      k_paired, k_lo, k_hi = train_lib.paired_speed(kernel_ms[first], kernel_ms[impl])
+      row.update(kernel_ms_median=float(np.median(kernel_ms[impl])),
+                 kernel_speed_vs_first=k_paired, kernel_speed_ci95=[k_lo, k_hi])
+    rows.append(row)
+  print(f"| attention | median step (s) | min-max (s) | tokens/s | speed vs {first} "
+        f"| paired, 95% interval |")
+  print("|---|---|---|---|---|---|")
   for r in rows:
+    lo, hi = r["paired_speed_ci95"]
     print(f"| {r['attention']} | {r['median_step_s']:.4f} | {r['min_step_s']:.4f}-"
-          f"{r['max_step_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['speed_vs_first']:.3f} |")
+          f"{r['max_step_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['speed_vs_first']:.3f} "
+          f"| {r['paired_speed_vs_first']:.3f} ({lo:.3f}-{hi:.3f}) |")
+  if kernel_ms is not None:
+    print(f"\nGPU kernel time per step (CUPTI):\n\n| attention | median (ms) "
+          f"| speed vs {first}, paired, 95% interval |\n|---|---|---|")
+    for r in rows:
+      lo, hi = r["kernel_speed_ci95"]
+      print(f"| {r['attention']} | {r['kernel_ms_median']:.2f} "
+            f"| {r['kernel_speed_vs_first']:.3f} ({lo:.3f}-{hi:.3f}) |")
+  else:
+    say("GPU kernel time per step: not measured (CUPTI needs a GPU)")
   result = {"device": device.device_kind, "preset": args.preset, "batch_size": args.batch_size,
             "seq_len": args.seq_len, "segments": not args.no_segments,
             "timed_rounds": args.timed_steps, "results": rows}

@@ -146,6 +146,34 @@ def time_alternately(fns: dict, state, batch, steps: int) -> dict[str, list[floa
   return times
 
 
+def time_kernels_alternately(fns: dict, state, batch, rounds: int,
+                             per_round: int = 3) -> dict[str, list[float]]:
+  """GPU milliseconds per train step by CUPTI (the sum of every kernel's time,
+  no host work or launch gaps): ``per_round`` steps of each function in turn,
+  their median, for ``rounds`` rounds. Needs a GPU; the functions must have
+  run once already (``time_alternately`` does that).
+  """
+  from flash3.bench import timing  # noqa: PLC0415
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      times[name].append(timing.measure(fn, (state, batch), iterations=per_round,
+                                        warmup=0).median)
+  return times
+
+
+def paired_speed(base: list[float], other: list[float], *, seed: int = 0,
+                 resamples: int = 2000) -> tuple[float, float, float]:
+  """Speed of ``other`` relative to ``base`` (> 1: faster) from rounds timed in
+  pairs: the median of the per-round ratios base / other, and a 95% bootstrap
+  interval of that median (resampling rounds)."""
+  ratios = np.asarray(base, np.float64) / np.asarray(other, np.float64)
+  rng = np.random.default_rng(seed)
+  boot = np.median(rng.choice(ratios, (resamples, len(ratios))), axis=1)
+  lo, hi = np.percentile(boot, [2.5, 97.5])
+  return float(np.median(ratios)), float(lo), float(hi)
+
+
 def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict:
   """Time the real train step against one with attention replaced by a stand-in.
 
