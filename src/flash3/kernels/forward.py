@@ -61,8 +61,8 @@ one CTA per (head, query tile, batch), ``min(num_sms, items)`` CTAs each loop
 over the work items a schedule gives it (``schedule.lpt_schedule``:
 longest first, to the least-loaded CTA; round-robin in the grid's order when
 all items cost the same; with segment ids ``schedule.segment_schedule``
-builds it on the device from each item's documents). The K/V ring and its barriers run on
-across items (a carried tile count places each tile's slot), so the producer
+builds it on the device from each item's documents). The K/V ring and its
+barriers run on across items (a carried tile count places each tile's slot), so the producer
 streams the next item's K/V while the compute warpgroups finish the current
 one; when shared memory allows, o is staged apart from q and the next item's
 q loads during the epilogue (else after the o store has read the q tile).
@@ -440,8 +440,8 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
   if config.persistent:
     # One CTA per SM (at most one per work item), each looping over the items
-    # the schedule gives it (a table read as scalars in the kernel: static, or built on the device
-    # from the documents when segment ids are given).
+    # the schedule gives it (a table read as scalars in the kernel: static,
+    # or built on the device from the documents when segment ids are given).
     num_ctas = min(config.num_sms, N * num_q_ctas * B)
     if segments is not None:
       # Each item's work depends on its documents: a table built on the device.
