@@ -137,7 +137,7 @@ def _vary_candidates(what, D, T, causal, window, vary, docs=None):
   combination of ``vary`` ({field: [values]}) applied: an A/B of config
   fields at the defaults."""
   from flash3.kernels.backward import BackwardConfig
-  from flash3.kernels.config import check_fits
+  from flash3.kernels.config import can_halve_tiles, check_fits
   from flash3.kernels.forward import default_config
   from flash3.visibility import MaskSpec
   mask = MaskSpec(causal=causal, alignment="bottom_right", window_left=window,
@@ -150,8 +150,8 @@ def _vary_candidates(what, D, T, causal, window, vary, docs=None):
   for values in itertools.product(*(vary[n] for n in names)):
     kw = dict(zip(names, values))
     if (what == "fwd" and base.half_edge_tiles and "half_edge_tiles" not in kw
-        and (kw.get("block_kv", base.block_kv) not in (128, 256)
-             or kw.get("overlap_softmax", False))):
+        and not can_halve_tiles(kw.get("block_kv", base.block_kv),
+                                kw.get("overlap_softmax", base.overlap_softmax))):
       # A window's default takes half edge tiles, which these cannot run.
       kw["half_edge_tiles"] = False
     try:

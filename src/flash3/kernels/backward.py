@@ -283,10 +283,10 @@ class BackwardConfig:
     given) with a causal mask: 64-key dq tiles and, at head_dim 64, 64-query
     dk/dv tiles, so less of each tile lies past a document's diagonal: with 8
     causal documents per row (eleventh session, docs/benchmarks/h200/
-    2026-12-02-s11/tune.md) D=64 T=16384 ran 274 TFLOP/s against the old default's 239 (tenth
-    session; 241 with 64-key dq tiles alone), D=128
-    376 against 354 at T=16384 and 201 against 173 at T=4096. Packed rows
-    without causal keep the other defaults (D=128 ran even either way).
+    2026-12-02-s11/tune.md) D=64 T=16384 ran 274 TFLOP/s against the old
+    default's 239 (tenth session; 241 with 64-key dq tiles alone), D=128 376
+    against 354 at T=16384 and 201 against 173 at T=4096. Packed rows without
+    causal keep the other defaults (D=128 ran even either way).
     """
     del q_len  # Same choice for all query lengths today.
     causal = bool(mask is not None and mask.causal)

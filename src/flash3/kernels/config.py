@@ -73,6 +73,13 @@ def check_bool(name: str, value) -> None:
 PINGPONG_MODES = tuple(sync.TURNS)  # ("handoff", "meeting", "off")
 
 
+def can_halve_tiles(block_kv: int, overlap_softmax: bool = False) -> bool:
+  """Whether ``ForwardConfig.half_edge_tiles`` may be on with these fields: a
+  half tile is one wgmma N of 64 or 128 keys, and the overlapped branch
+  stages P in a fixed (64, block_kv) tile."""
+  return block_kv in (128, 256) and not overlap_softmax
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """Static tuning of the forward kernel.
@@ -125,16 +132,16 @@ class ForwardConfig:
       polynomial on the FMA pipes instead of the MUFU unit (kernels/exp2.py,
       FlashAttention-4's split): 0 (default) or a multiple of 16 up to
       block_kv (a half edge tile puts min(exp2_fma_cols, block_kv / 2) of
-      its columns there). An A/B knob: on an H200 (ninth session) 32 columns were 2-7%
-      slower at head_dim 64 and 128 (MUFU does not bound the softmax there);
-      its GPU tests pass.
+      its columns there). An A/B knob: on an H200 (ninth session) 32
+      columns were 2-7% slower at head_dim 64 and 128 (MUFU does not bound
+      the softmax there); its GPU tests pass.
     half_edge_tiles: a warpgroup computes only the half of its first or last
       key tile that the mask lets its 64 rows see, when the other half is
       wholly invisible to them (a window's far edge, a causal diagonal past
       the warpgroup's last row): a (64, block_kv / 2) score tile and P @ V of
       half the depth. With 128-key tiles a causal window of 1024 computes
-      1088 keys per warpgroup of 64 rows instead of 1152. Needs block_kv 128 or 256 and
-      overlap_softmax off. ``forward_config`` turns it on for windows (a
+      1088 keys per warpgroup of 64 rows instead of 1152. Needs block_kv 128
+      or 256 and overlap_softmax off (``can_halve_tiles``). ``forward_config`` turns it on for windows (a
       causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
       eleventh session).
   """
@@ -174,10 +181,7 @@ class ForwardConfig:
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     check_registers(self.compute_registers, self.producer_registers)
     check_bool("half_edge_tiles", self.half_edge_tiles)
-    if self.half_edge_tiles and (self.block_kv not in (128, 256)
-                                 or self.overlap_softmax):
-      # A half tile is one wgmma N of 64 or 128 keys; the overlapped branch
-      # stages P in a fixed (64, block_kv) tile.
+    if self.half_edge_tiles and not can_halve_tiles(self.block_kv, self.overlap_softmax):
       raise ValueError(
           f"half_edge_tiles=True needs block_kv 128 or 256 and overlap_softmax="
           f"False; got block_kv={self.block_kv}, overlap_softmax={self.overlap_softmax}")
@@ -340,7 +344,7 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # at D=64 and D=128 (eleventh session, docs/benchmarks/h200/2026-12-02-s11/
   # tune.md). Plain causal and packed rows without a window are unmeasured
   # and keep whole tiles (packed rows with a window take half tiles too).
-  half_edge_tiles = windowed and block_kv in (128, 256)
+  half_edge_tiles = windowed and can_halve_tiles(block_kv)
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms, pingpong=pingpong,

@@ -62,10 +62,11 @@ over the work items a schedule gives it (``schedule.lpt_schedule``:
 longest first, to the least-loaded CTA; round-robin in the grid's order when
 all items cost the same; with segment ids ``schedule.segment_schedule``
 builds it on the device from each item's documents). The K/V ring and its
-barriers run on across items (a carried tile count places each tile's slot), so the producer
-streams the next item's K/V while the compute warpgroups finish the current
-one; when shared memory allows, o is staged apart from q and the next item's
-q loads during the epilogue (else after the o store has read the q tile).
+barriers run on across items (a carried tile count places each tile's slot),
+so the producer streams the next item's K/V while the compute warpgroups
+finish the current one; when shared memory allows, o is staged apart from q
+and the next item's q loads during the epilogue (else after the o store has
+read the q tile).
 Each item runs the same instructions as in the grid kernel, so the results
 are bitwise equal. Every mask and option is supported.
 
