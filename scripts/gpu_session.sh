@@ -13,9 +13,10 @@
 # serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
 # (STEPS steps, packed documents), train_speed (their steps timed side by side), mgpu_tests, mgpu_bench (both GPUs),
-# testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd (config sweeps;
-# TUNE_ARGS adds scripts/tune.py arguments, e.g. "--causal 0 --persistent 0 1";
-# TUNE_FWD_ARGS / TUNE_BWD_ARGS, when set, replace it for that stage; MGPU_ARGS adds
+# testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2
+# (config sweeps, each into $OUT/r/<stage>/; TUNE_ARGS adds scripts/tune.py arguments,
+# e.g. "--causal 0 --persistent 0 1"; TUNE_FWD_ARGS, TUNE_FWD2_ARGS, ..., when set,
+# replace it for that stage), train_timeline (idle gaps in a traced train step); MGPU_ARGS adds
 # scripts/bench_multi_gpu.py arguments, e.g. "--cases all --allow-head-sharding").
 # Writes $OUT/r/<stage>.log and results, packed into $OUT/results.tar.gz after
 # every stage, so a cut-off run still returns what it did.
@@ -32,7 +33,7 @@ BENCH=${BENCH:-"--suite fa3 --seqlens 4096,16384 --dtypes bfloat16 --no-tune"}
 TEST_ARGS=${TEST_ARGS:-"tests/test_forward_kernel.py tests/test_backward_kernel.py"}
 
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-pack() { tar czf "$OUT/results.tar.gz" --exclude='*.npz' -C "$OUT" r 2>/dev/null; }
+pack() { tar czf "$OUT/results.tar.gz" --exclude='*.npz' --exclude='*.pb' -C "$OUT" r 2>/dev/null; }
 stage() {  # stage NAME BUDGET_S GPUS command...
   local name=$1 budget=$2 gpu=$3; shift 3
   local t; t=$(left)
@@ -82,9 +83,15 @@ run_stage() {  # run_stage NAME GPU
       stage train_speed ${SPEED_BUDGET:-200} "$g" python3 -m examples.train_gpt.speed \
         --preset h200 --impls flash3,cudnn --flash3-kernels-only --steps ${SPEED_STEPS:-30} \
         --out "$R/train/speed.json" ;;
-    tune_fwd|tune_bwd)  # config sweeps against cuDNN (scripts/tune.py)
-      stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "${1#tune_}" \
-        --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) --out "$R" ;;
+    tune_fwd|tune_bwd|tune_fwd2|tune_bwd2)  # config sweeps against cuDNN (scripts/tune.py)
+      local what=${1#tune_}; what=${what%2}
+      stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "$what" \
+        --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) \
+        --out "$R/$1" ;;
+    train_timeline)  # where each step's wall time goes: kernels, idle gaps (traces)
+      stage train_timeline ${TIMELINE_BUDGET:-150} "$g" python3 -m examples.train_gpt.timeline \
+        --preset h200 --impls flash3,cudnn --flash3-kernels-only --steps 3 \
+        --out "$R/timeline" ;;
     mgpu_tests) shared stage mgpu_tests 200 "$g" python3 -m pytest -v -p no:cacheprovider -n 4 -m gpu \
                   -rfE tests/test_multi_gpu.py ;;
     # shellcheck disable=SC2086

@@ -141,9 +141,11 @@ class ForwardConfig:
       the warpgroup's last row): a (64, block_kv / 2) score tile and P @ V of
       half the depth. With 128-key tiles a causal window of 1024 computes
       1088 keys per warpgroup of 64 rows instead of 1152. Needs block_kv 128
-      or 256 and overlap_softmax off (``can_halve_tiles``). ``forward_config`` turns it on for windows (a
+      or 256 and overlap_softmax off (``can_halve_tiles``).
+      ``forward_config`` turns it on for windows and causal masks (a
       causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
-      eleventh session).
+      eleventh session; plain causal 0-1.4%, causal documents 0.5-4%,
+      twelfth session).
   """
 
   block_q: int = 64
@@ -339,12 +341,13 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # kept D=256 0.5-1.4% faster (ninth session, docs/benchmarks/h200/
   # 2026-12-01-s9/tune.md).
   pingpong = "handoff" if head_dim > 128 else "meeting"
-  # A window's edges cut its first and last key tiles: computing only the
-  # half a warpgroup sees ran a causal window of 1024 at T=16384 6% faster
-  # at D=64 and D=128 (eleventh session, docs/benchmarks/h200/2026-12-02-s11/
-  # tune.md). Plain causal and packed rows without a window are unmeasured
-  # and keep whole tiles (packed rows with a window take half tiles too).
-  half_edge_tiles = windowed and can_halve_tiles(block_kv)
+  # A window's edges and a causal diagonal cut a warpgroup's first or last
+  # key tile: computing only the half it sees ran a causal window of 1024 at
+  # T=16384 6% faster at D=64 and D=128 (eleventh session), plain causal
+  # T 4096 / 16384 0 to +1.4%, causal 8 x 2048 documents +4% at D=64 and
+  # +0.5% at D=128 (twelfth session; docs/benchmarks/h200/2026-12-02-s12/
+  # tune.md). Non-causal packed rows are unmeasured and keep whole tiles.
+  half_edge_tiles = (windowed or bool(mask.causal)) and can_halve_tiles(block_kv)
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms, pingpong=pingpong,
