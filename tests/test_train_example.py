@@ -129,6 +129,41 @@ def test_flash3_switch_matches_xla_on_cpu():
   assert 5.0 < losses["xla"] < 6.0  # ~ln(256) at initialisation
 
 
+def test_one_hot_embedding_and_pick_equal_the_gather():
+  # The model embeds by a one-hot matmul (its gradient is a matmul, not a
+  # scatter-add): bitwise the gather's values, and the gather's gradient.
+  from examples.train_gpt import model as model_lib  # noqa: PLC0415
+  kt, ki, kg = jax.random.split(jax.random.key(1), 3)
+  table = jax.random.normal(kt, (256, 48), jnp.float32).astype(jnp.bfloat16)
+  inputs = jax.random.randint(ki, (3, 40), 0, 256)
+  np.testing.assert_array_equal(np.asarray(model_lib.embed(table, inputs), np.float32),
+                                np.asarray(table[inputs], np.float32))
+  g = jax.random.normal(kg, (3, 40, 48), jnp.float32)
+  grad = lambda f: jax.grad(lambda t: jnp.sum(f(t).astype(jnp.float32) * g))(  # noqa: E731
+      table.astype(jnp.float32))
+  np.testing.assert_allclose(grad(lambda t: model_lib.embed(t, inputs)),
+                             grad(lambda t: t[inputs]), rtol=1e-5, atol=1e-5)
+  logp = jax.nn.log_softmax(jax.random.normal(kt, (3, 40, 256)), axis=-1)
+  np.testing.assert_array_equal(
+      model_lib.pick(logp, inputs),
+      jnp.take_along_axis(logp, inputs[..., None], axis=-1)[..., 0])
+
+
+def test_timeline_summary_of_kernel_events():
+  from examples.train_gpt import timeline  # noqa: PLC0415
+  events = [(0, 10_000, "a", "Stream #1"), (5_000, 20_000, "b", "Stream #1"),
+            (30_000, 40_000, "a", "Stream #1"), (90_000, 100_000, "c", "Stream #2")]
+  s = timeline.summarize(events)
+  assert s["kernels"] == 4 and s["streams"] == 2
+  assert s["span_ms"] == pytest.approx(0.1)
+  assert s["busy_ms"] == pytest.approx(0.04)  # 0-20, 30-40, 90-100 us
+  assert s["idle_ms"] == pytest.approx(0.06)
+  assert s["gaps_over_10us"] == 1 and s["idle_in_gaps_over_10us_ms"] == pytest.approx(0.05)
+  assert s["largest_gaps"][0] == {"us": 50.0, "after": "a", "before": "c"}
+  assert s["kernel_ms_by_name"][0] == {"name": "a", "ms": pytest.approx(0.02), "count": 2}
+  assert timeline.summarize([]) == {"kernels": 0}
+
+
 def test_cudnn_without_a_gpu_says_so():
   with pytest.raises(SystemExit, match="--attention cudnn needs an NVIDIA GPU; the "
                      "default device is a cpu"):

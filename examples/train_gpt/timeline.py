@@ -114,15 +114,20 @@ def main(argv=None) -> dict:
   batch = train_lib.to_device(data_lib.train_batch(train_stream, 1, args.batch_size,
                                                    args.seq_len, args.seed))
   optimizer = train_lib.make_optimizer(args)
-  state, result = None, {}
+  fns, state, result = {}, None, {}
   for impl in impls:
     config = train_lib.model_config(args, impl)
     if state is None:
       params = model_lib.init_params(config, jax.random.key(args.seed))
       state = (params, optimizer.init(params))
-    fn = train_lib.make_train_step(config, optimizer, donate=False)
-    jax.block_until_ready(fn(state, batch))
-    jax.block_until_ready(fn(state, batch))
+    fns[impl] = train_lib.make_train_step(config, optimizer, donate=False)
+    jax.block_until_ready(fns[impl](state, batch))
+  # profiler.measure first: its CUPTI session fails ("activity records were
+  # dropped") once jax.profiler.trace has subscribed to CUPTI in the process.
+  on_gpu = jax.devices()[0].platform == "gpu"
+  cupti = {impl: cupti_by_name(fn, state, batch) if on_gpu else None
+           for impl, fn in fns.items()}
+  for impl, fn in fns.items():
     steps = []
     for i in range(own.steps):
       trace_dir = out / impl / f"step{i}"
@@ -132,8 +137,7 @@ def main(argv=None) -> dict:
       if not found:
         raise RuntimeError(f"no trace written under {trace_dir}")
       steps.append(summarize(kernel_events(found[-1])))
-    cupti = cupti_by_name(fn, state, batch) if jax.devices()[0].platform == "gpu" else None
-    result[impl] = {"traced_steps": steps, "cupti_measure": cupti}
+    result[impl] = {"traced_steps": steps, "cupti_measure": cupti[impl]}
     s = steps[-1]
     if s["kernels"]:
       say(f"{impl}: {s['kernels']} kernels on {s['streams']} streams; span "
@@ -143,13 +147,14 @@ def main(argv=None) -> dict:
         say(f"    gap {g['us']:9.1f} us  after {g['after']}  before {g['before']}")
       for k in s["kernel_ms_by_name"][:12]:
         say(f"    {k['ms']:8.3f} ms {k['count']:5d}x  {k['name']}")
-      if cupti:
-        say(f"  profiler.measure (CUPTI) of the same step: {cupti['total_ms']:.2f} ms in "
-            f"{cupti['kernels']} kernels")
-        for k in cupti["kernel_ms_by_name"][:12]:
-          say(f"    {k['ms']:8.3f} ms {k['count']:5d}x  {k['name']}")
     else:
       say(f"{impl}: no GPU kernel events in the trace (no GPU?)")
+    c = cupti[impl]
+    if c:
+      say(f"  profiler.measure (CUPTI) of one step: {c['total_ms']:.2f} ms in "
+          f"{c['kernels']} kernels")
+      for k in c["kernel_ms_by_name"][:12]:
+        say(f"    {k['ms']:8.3f} ms {k['count']:5d}x  {k['name']}")
   out.mkdir(parents=True, exist_ok=True)
   (out / "summary.json").write_text(json.dumps(result, indent=1))
   say(f"wrote {out / 'summary.json'}")
