@@ -152,7 +152,8 @@ def _vary_candidates(what, D, T, causal, window, vary, docs=None):
     if (what == "fwd" and base.half_edge_tiles and "half_edge_tiles" not in kw
         and not can_halve_tiles(kw.get("block_kv", base.block_kv),
                                 kw.get("overlap_softmax", base.overlap_softmax))):
-      # A window's default takes half edge tiles, which these cannot run.
+      # A window's or causal mask's default takes half edge tiles, which
+      # these cannot run.
       kw["half_edge_tiles"] = False
     try:
       c = dataclasses.replace(base, **kw)

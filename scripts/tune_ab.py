@@ -2,8 +2,8 @@
 column group per value of the varied config fields, flash3 / cuDNN per value,
 each value's speed against the first one's, and geometric means.
 
-  python scripts/tune_ab.py r/tune_bwd.jsonl --field overlap_matmuls
-  python scripts/tune_ab.py r/tune_fwd.jsonl --field pingpong --field exp2_fma_cols
+  python scripts/tune_ab.py r/tune_bwd/tune_bwd.jsonl --field overlap_matmuls
+  python scripts/tune_ab.py r/tune_fwd/tune_fwd.jsonl --field pingpong --field exp2_fma_cols
 
 Reads the JSON lines tune.py writes (one per measurement; rows with an
 "error" are listed under the table). Prints Markdown.

@@ -23,7 +23,8 @@ import pytest
 import flash3
 from flash3.kernels import common
 from flash3.kernels.config import (PINGPONG_MODES, SMEM_LIMIT_BYTES, ForwardConfig,
-                                   forward_config, forward_smem_bytes)
+                                   forward_config, forward_smem_bytes,
+                                   persistent_separate_o)
 from flash3.kernels.forward import attention_forward, unsupported_reason
 from flash3.visibility import MaskSpec, dense_mask
 
@@ -226,6 +227,83 @@ def test_heuristic_pingpong(d_pad, mode, mask):
     assert forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len).pingpong == mode
 
 
+def _lower_counting_smem(monkeypatch, f, *args):
+  """Lowers ``f`` for CUDA on the CPU. Returns Mosaic GPU's shared-memory total
+  of each kernel, and the zero-size scratch views Pallas handed out (what a
+  reduction across warps gets when reduction_scratch_bytes is 0)."""
+  from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  totals, empty_views = [], []
+  tree_size, scratch_view = mgpu_core._smem_tree_size, pallas_lowering.ModuleContext.scratch_view
+
+  def count(tree):
+    totals.append(tree_size(tree))
+    return totals[-1]
+
+  def view(self, struct):
+    if np.prod(struct.shape) == 0:
+      empty_views.append(struct)
+    return scratch_view(self, struct)
+
+  monkeypatch.setattr(mgpu_core, "_smem_tree_size", count)
+  monkeypatch.setattr(pallas_lowering.ModuleContext, "scratch_view", view)
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  return totals, empty_views
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# (D, mask, config fields, options): every feature of the forward kernel once.
+SMEM_CASES = [
+    (64, CAUSAL_BR, dict(block_kv=256, persistent=True, half_edge_tiles=True), {}),
+    (128, MaskSpec(causal=True, window_left=300), dict(half_edge_tiles=True),
+     dict(lengths=True, softcap=20.0, sinks=True)),
+    (128, CAUSAL_BR, dict(), dict(segments=True)),
+    (256, NO_MASK, dict(block_kv=64, pingpong="handoff"), {}),
+    (128, CAUSAL_BR, dict(block_kv=64, overlap_softmax=True), {}),
+    (128, NO_MASK, dict(exp2_fma_cols=32, named_barriers=False, pingpong="off"), {}),
+    (128, CAUSAL_BR, dict(persistent=True, num_sms=4), dict(sinks=True)),
+    # Fit only without Pallas's default 2 KB of reduction scratch:
+    (128, NO_MASK, dict(block_kv=192, num_stages=2), {}),
+    (128, NO_MASK, dict(block_kv=128, num_stages=3), {}),
+]
+
+
+@pytest.mark.parametrize("case", SMEM_CASES, ids=range(len(SMEM_CASES)))
+def test_smem_estimate_bounds_mosaic_and_no_cross_warp_reduction(case, monkeypatch):
+  """The forward runs without reduction scratch (reduction_scratch_bytes=0):
+  no reduction in it may cross warps (Pallas would hand it an empty buffer),
+  and forward_smem_bytes must bound what Mosaic GPU allocates, tightly."""
+  D, mask, fields, opts = case
+  config = ForwardConfig(**fields)
+  B, T, N, K = 2, 1000 + D, 4, 2  # odd T: a shape no other test lowers
+  kw = {}
+  if opts.get("lengths"):
+    kw.update(q_lengths=_spec((B,), jnp.int32), kv_lengths=_spec((B,), jnp.int32))
+  if opts.get("segments"):
+    kw.update(q_segment_ids=_spec((B, T), jnp.int32), kv_segment_ids=_spec((B, T), jnp.int32))
+  if opts.get("sinks"):
+    kw.update(sinks=_spec((N,), jnp.float32))
+  names = list(kw)
+
+  def f(q, k, v, *extra):
+    return attention_forward(q, k, v, scale=0.1, mask=mask, config=config,
+                             softcap=opts.get("softcap"), **dict(zip(names, extra)))
+
+  totals, empty_views = _lower_counting_smem(
+      monkeypatch, f, _spec((B, T, N, D)), _spec((B, T, K, D)), _spec((B, T, K, D)),
+      *kw.values())
+  assert empty_views == []
+  assert totals, "nothing lowered (a cached lowering?)"
+  need = forward_smem_bytes(config, D, 2)
+  if config.persistent and persistent_separate_o(config, D, 2):
+    need += 2 * 64 * D * 2  # the persistent kernel's own o tiles
+  assert need <= SMEM_LIMIT_BYTES
+  assert max(totals) <= need < max(totals) + 1024, (totals, need)
+
+
 def test_unsupported_reasons():
   ok = unsupported_reason((2, 10, 4, 64), (2, 7, 2, 64), jnp.bfloat16, CAUSAL_BR)
   assert ok is None
@@ -345,9 +423,35 @@ def test_interpret_masked_keys_with_nan_e07(config):
   assert_matches(o, lse, q, k, v, scale=0.125, mask=mask)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
+def test_interpret_192_key_tiles(mask):
+  """192-key tiles (P @ V over three 64-key groups), which D=128 can take with
+  a 2-slot ring since the forward dropped Pallas's reduction scratch; run here
+  at D=64, where interpret mode's P staging fits as well. Ragged 300 x 450."""
+  q, k, v = make_qkv(jax.random.key(11), 1, 300, 450, 2, 1, 64, jnp.bfloat16)
+  config = ForwardConfig(block_kv=192, num_stages=2)
+  o, lse = run_interpret(q, k, v, scale=0.125, mask=mask, config=config,
+                         detect_races=mask.causal)
+  assert_matches(o, lse, q, k, v, scale=0.125, mask=mask)
+
+
 # ----------------------------------------------------------------------------
 # GPU tests (H100/H200)
 # ----------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
+@pytest.mark.parametrize("fields", [dict(block_kv=192, num_stages=2),
+                                    dict(block_kv=128, num_stages=3)],
+                         ids=["bk192", "stages3"])
+def test_gpu_d128_configs_that_fit_without_reduction_scratch(fields, mask):
+  """D=128 configs that fit shared memory only without Pallas's 2 KB of
+  reduction scratch (twelfth session): candidates for the non-causal forward."""
+  q, k, v = make_qkv(jax.random.key(5), 2, 1000, 1100, 8, 2, 128, jnp.bfloat16)
+  config = ForwardConfig(**fields)
+  o, lse = attention_forward(q, k, v, scale=128 ** -0.5, mask=mask, config=config)
+  assert_matches(o, lse, q, k, v, scale=128 ** -0.5, mask=mask)
 
 GRID_D = (64, 128, 256, 96)
 GRID_DTYPES = (jnp.float16, jnp.bfloat16)

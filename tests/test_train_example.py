@@ -162,6 +162,12 @@ def test_timeline_summary_of_kernel_events():
   assert s["largest_gaps"][0] == {"us": 50.0, "after": "a", "before": "c"}
   assert s["kernel_ms_by_name"][0] == {"name": "a", "ms": pytest.approx(0.02), "count": 2}
   assert timeline.summarize([]) == {"kernels": 0}
+  # An event inside a longer one: busy is the union, the gap follows the long one.
+  nested = [(0, 30_000, "long", "Stream #1"), (5_000, 10_000, "short", "Stream #2"),
+            (40_000, 50_000, "x", "Stream #1")]
+  s = timeline.summarize(nested)
+  assert s["busy_ms"] == pytest.approx(0.04) and s["idle_ms"] == pytest.approx(0.01)
+  assert s["largest_gaps"][0] == {"us": 10.0, "after": "long", "before": "x"}
 
 
 def test_cudnn_without_a_gpu_says_so():

@@ -126,10 +126,12 @@ def embed(table: jax.Array, inputs: jax.Array) -> jax.Array:
 
   The same values as the gather, but its gradient is a matmul instead of a
   scatter-add of B*T rows into a 256-row table (atomics on a few addresses),
-  which took 15-22 ms of a 90 ms train step on an H200 (twelfth session's
+  which took 15-32 ms of a 90 ms train step on an H200 (twelfth session's
   trace, examples.train_gpt.timeline); the matmul accumulates in float32.
   """
-  return jax.nn.one_hot(inputs, table.shape[0], dtype=table.dtype) @ table
+  # HIGHEST: exact for a float32 table too (a GPU's default may be TF32).
+  return jnp.matmul(jax.nn.one_hot(inputs, table.shape[0], dtype=table.dtype), table,
+                    precision=jax.lax.Precision.HIGHEST)
 
 
 def pick(logp: jax.Array, targets: jax.Array) -> jax.Array:

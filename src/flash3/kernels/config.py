@@ -29,10 +29,15 @@ from flash3.visibility import MaskSpec
 
 # Opt-in shared memory per CTA on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_LIMIT_BYTES = 227 * 1024
-# Barriers, alignment padding and Mosaic GPU's own bookkeeping: measured on an
-# H200, D=128 block_kv=128 num_stages=3 asked Mosaic for 232568 bytes, 2680
-# more than the buffers above.
-SMEM_RESERVED_BYTES = 3072
+# Barriers and alignment padding (Pallas aligns each buffer to 1024 bytes, so
+# the 512-byte lse tile takes 1024). The forward asks Pallas for no cross-warp
+# reduction scratch (its reductions run along rows, within a warp; it would
+# reserve 2048 bytes by default), so Mosaic GPU's total for D=128,
+# block_kv=128, num_stages=3 is 230464 bytes, 576 more than the buffers
+# (lowered for CUDA on the CPU, twelfth session; the seventh's 232568 included
+# that scratch). tests/test_forward_kernel.py checks the estimate bounds
+# Mosaic's own count.
+SMEM_RESERVED_BYTES = 1024
 # The forward runs two compute warpgroups, each on its own tile of block_q rows.
 NUM_COMPUTE_WARPGROUPS = 2
 # Ring depth the forward's named barriers allow (two per slot, kernels/sync.py).
@@ -144,8 +149,8 @@ class ForwardConfig:
       or 256 and overlap_softmax off (``can_halve_tiles``).
       ``forward_config`` turns it on for windows and causal masks (a
       causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
-      eleventh session; plain causal 0-1.4%, causal documents 0.5-4%,
-      twelfth session).
+      eleventh session; plain causal 0 to +1.3%, causal documents +0.6% to
+      +4.0%, never slower, twelfth session).
   """
 
   block_q: int = 64
@@ -343,10 +348,11 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   pingpong = "handoff" if head_dim > 128 else "meeting"
   # A window's edges and a causal diagonal cut a warpgroup's first or last
   # key tile: computing only the half it sees ran a causal window of 1024 at
-  # T=16384 6% faster at D=64 and D=128 (eleventh session), plain causal
-  # T 4096 / 16384 0 to +1.4%, causal 8 x 2048 documents +4% at D=64 and
-  # +0.5% at D=128 (twelfth session; docs/benchmarks/h200/2026-12-02-s12/
-  # tune.md). Non-causal packed rows are unmeasured and keep whole tiles.
+  # T=16384 6% faster at D=64 and D=128 (eleventh session); plain causal
+  # T 4096 / 16384 0 to +1.3% (within noise), causal 8 x 2048 documents +4.0%
+  # at D=64 and +0.6% at D=128, never slower (twelfth session; docs/
+  # benchmarks/h200/2026-12-02-s12/tune.md). Masks without causal or a
+  # window (packed or not) have no cut edge tile and keep whole tiles.
   half_edge_tiles = (windowed or bool(mask.causal)) and can_halve_tiles(block_kv)
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,

@@ -51,7 +51,7 @@ but that shares a key tile with visible keys (segments, windows) can still
 reach the output; keys past kv_len and whole unseen tiles cannot (nor, with
 ``ForwardConfig.half_edge_tiles``, the unseen half of an edge tile).
 
-Half edge tiles (``ForwardConfig.half_edge_tiles``, the default for windows):
+Half edge tiles (``ForwardConfig.half_edge_tiles``, the default for windows and causal masks):
 a warpgroup whose first key tile's lower half, or last tile's upper half, is
 invisible to all its rows by the mask computes only the other half there.
 
@@ -472,7 +472,11 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       grid_names=grid_names,
       num_threads=NUM_COMPUTE_WARPGROUPS + 1,
       thread_name=common.WG_AXIS,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # No cross-warp reduction scratch: the kernel reduces only along rows,
+      # within a warp (checked in tests/test_forward_kernel.py), and the 2 KB
+      # Pallas reserves by default is what kept a third 128-key K/V slot or
+      # 192-key tiles at D=128 out of shared memory.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=interpret,
   )
   return kernel(q, k, v, *extra_inputs)
