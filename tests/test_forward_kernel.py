@@ -265,6 +265,10 @@ SMEM_CASES = [
     (128, CAUSAL_BR, dict(block_kv=64, overlap_softmax=True), {}),
     (128, NO_MASK, dict(exp2_fma_cols=32, named_barriers=False, pingpong="off"), {}),
     (128, CAUSAL_BR, dict(persistent=True, num_sms=4), dict(sinks=True)),
+    (64, CAUSAL_BR, dict(block_kv=128, persistent=True, num_sms=4, half_edge_tiles=True),
+     dict(segments=True, lengths=True)),
+    (64, NO_MASK, dict(block_kv=64, persistent=True, num_sms=4, overlap_softmax=True),
+     dict(softcap=30.0)),
     # Fit only without Pallas's default 2 KB of reduction scratch:
     (128, NO_MASK, dict(block_kv=192, num_stages=2), {}),
     (128, NO_MASK, dict(block_kv=128, num_stages=3), {}),
