@@ -139,7 +139,8 @@ def test_config_rejects_bad_values():
   for bad in (dict(block_q_dq=32), dict(block_kv_dq=100), dict(compute_wgs_dq=3),
               dict(num_stages=0), dict(block_kv_dkv=320), dict(split_dkv=1),
               dict(reverse_q_tiles="yes"), dict(compute_registers=236),
-              dict(producer_registers=16)):
+              dict(producer_registers=16), dict(num_stages_dkv=9),
+              dict(num_stages_dkv=-1)):
     with pytest.raises(ValueError, match=next(iter(bad))):
       BackwardConfig(**bad)
   with pytest.raises(ValueError, match="producer_registers=56 exceeds"):
@@ -222,7 +223,9 @@ def test_cross_lowers_for_cuda():
   lse = jnp.zeros((1, 4, 200), jnp.float32)
   for mask, config in ((CAUSAL_BR, None),
                        (NO_MASK, BackwardConfig(compute_wgs_dq=1, compute_wgs_dkv=1,
-                                                split_dkv=True, num_stages=3))):
+                                                split_dkv=True, num_stages=3)),
+                       # The dk/dv kernel's own 4-slot ring at D=128 (an A/B knob).
+                       (CAUSAL_BR, BackwardConfig(num_stages_dkv=4))):
     f = functools.partial(attention_backward, scale=0.1, mask=mask, config=config)
     jax.jit(f).trace(q, k, v, q, lse, do).lower(lowering_platforms=("cuda",))
 
@@ -364,6 +367,28 @@ def _run_each_kernel_with_race_detection(B, Tq, Tk, N, K, D, mask, config,
 ])
 def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
   _run_each_kernel_with_race_detection(B, Tq, Tk, N, K, D, mask, config)
+
+
+@pytest.mark.interpret
+def test_interpret_dkv_ring_depth_of_its_own():
+  """num_stages_dkv: the dk/dv kernel's ring, apart from the dq kernel's. A
+  3-slot ring that wraps (5 query tiles) behind a 1-slot dq ring: no races,
+  and dk, dv bitwise those of the shared 2-slot ring (the order of the sums
+  does not depend on the ring)."""
+  config = BackwardConfig(block_kv_dq=64, num_stages=1, num_stages_dkv=3)
+  assert config.stages_dkv == 3
+  assert config.smem_bytes(64)[1] > dataclasses.replace(config, num_stages_dkv=0).smem_bytes(64)[1]
+  _run_each_kernel_with_race_detection(1, 300, 200, 2, 1, 64, CAUSAL_BR, config)
+  q, k, v, do = make_inputs(jax.random.key(11), 1, 300, 200, 2, 1, 64, BF16)
+  o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=CAUSAL_BR)
+  lse2, delta = backward.backward_residuals(o, lse, do, 64)
+  out = {}
+  for c in (config, BackwardConfig(block_kv_dq=64, num_stages=2)):
+    out[c.stages_dkv] = backward._dkv_call(
+        q, k, v, do, lse2, delta, outputs=("dk", "dv"), q_len=300, kv_len=200,
+        scale=0.125, mask=CAUSAL_BR, config=c, interpret=plgpu.InterpretGPUParams())
+  for a, b in zip(out[3], out[2]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.interpret

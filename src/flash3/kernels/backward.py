@@ -111,7 +111,9 @@ class BackwardConfig:
     block_kv_dkv: keys per compute warpgroup in the dk/dv kernel (wgmma M).
     block_q_dkv: query rows per streamed q/do tile in the dk/dv kernel.
     compute_wgs_dkv: compute warpgroups per CTA of the dk/dv kernel (1 or 2).
-    num_stages: depth of the shared-memory ring of streamed tiles.
+    num_stages: depth of the shared-memory ring of streamed tiles (the dq
+      kernel's K/V ring; the dk/dv kernel's q/do ring too unless
+      ``num_stages_dkv`` is set).
     split_dkv: compute dk and dv in two launches of the dk/dv kernel, each
       holding one float32 accumulator (head_dim 256 has no registers for two).
     fuse_matmuls: in the dk/dv kernel, issue dv += pT do and dpT = v do^T
@@ -169,6 +171,11 @@ class BackwardConfig:
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
+    num_stages_dkv: the dk/dv kernel's own ring depth (0, the default: the
+      same as ``num_stages``). Its ring of q / do tiles needs a third of the
+      dq kernel's K/V ring at head_dim 128 (132 KiB of 227 with two slots),
+      so it has room for more slots than the dq kernel; unmeasured, an A/B
+      knob (twelfth session).
   """
 
   block_q_dq: int = 64
@@ -188,8 +195,15 @@ class BackwardConfig:
   pair_dq: bool = False
   compute_registers: int = 232
   producer_registers: int = 40
+  num_stages_dkv: int = 0
+
+  @property
+  def stages_dkv(self) -> int:
+    """The dk/dv kernel's ring depth: ``num_stages_dkv``, or ``num_stages`` when 0."""
+    return self.num_stages_dkv or self.num_stages
 
   def __post_init__(self):
+    check_multiple("num_stages_dkv", self.num_stages_dkv, 1, 0, 8)
     for name in ("block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv"):
       check_multiple(name, getattr(self, name), 64, 64, 256)
     check_multiple("compute_wgs_dq", self.compute_wgs_dq, 1, 1, 2)
@@ -226,7 +240,7 @@ class BackwardConfig:
     dq += s * 2 * bk * head_dim * itemsize  # K, V ring
     if interpret:
       dq += w * bq * bk * itemsize  # ds staging
-    w = self.compute_wgs_dkv
+    w, s = self.compute_wgs_dkv, self.stages_dkv
     bq, bk = self.block_q_dkv, self.block_kv_dkv
     dkv = w * 2 * bk * head_dim * itemsize  # K, V (reused for dk, dv)
     dkv += s * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
@@ -688,7 +702,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
   dtype = q.dtype
-  wgs, stages = config.compute_wgs_dkv, config.num_stages
+  wgs, stages = config.compute_wgs_dkv, config.stages_dkv
   bq, bk = config.block_q_dkv, config.block_kv_dkv
   staged = not common.uses_register_operands(interpret)
   num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
