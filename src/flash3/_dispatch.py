@@ -42,9 +42,10 @@ def interpret_kernels(detect_races: bool = False):
   """
   import jax
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  if len(jax.devices("cpu")) < MIN_INTERPRET_CPU_DEVICES:
+  cpu_devices = len(jax.devices("cpu"))
+  if cpu_devices < MIN_INTERPRET_CPU_DEVICES:
     warn_once(
-        f"flash3.interpret_kernels: {len(jax.devices('cpu'))} CPU device(s); "
+        f"flash3.interpret_kernels: {cpu_devices} CPU device(s); "
         f"jax's GPU interpreter can stall with fewer than "
         f"{MIN_INTERPRET_CPU_DEVICES}: set XLA_FLAGS=--xla_force_host_platform_"
         f"device_count={MIN_INTERPRET_CPU_DEVICES} before importing jax")
