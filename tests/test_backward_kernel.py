@@ -45,6 +45,7 @@ F16, BF16 = jnp.float16, jnp.bfloat16
 # ----------------------------------------------------------------------------
 
 from kernel_reference import low_precision_o_with_options, reference  # noqa: E402
+from smem_count import lowered_smem_totals  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "mask", "low_precision"))
@@ -370,14 +371,24 @@ def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
 
 
 @pytest.mark.interpret
-def test_interpret_dkv_ring_depth_of_its_own():
-  """num_stages_dkv: the dk/dv kernel's ring, apart from the dq kernel's. A
-  3-slot ring that wraps (5 query tiles) behind a 1-slot dq ring: no races,
-  and dk, dv bitwise those of the shared 2-slot ring (the order of the sums
-  does not depend on the ring)."""
+def test_interpret_dkv_ring_depth_of_its_own(monkeypatch):
+  """num_stages_dkv: the dk/dv kernel's ring, apart from the dq kernel's. The
+  kernel allocates it (Mosaic GPU's count, lowered for CUDA at D=128, follows
+  the estimate); a 3-slot ring that wraps (5 query tiles) behind a 1-slot dq
+  ring has no races, and dk, dv are bitwise those of the shared 2-slot ring
+  (the order of the sums does not depend on the ring)."""
+  q, k, v, do = make_inputs(jax.random.key(0), 1, 256, 256, 2, 1, 128, BF16)
+  lse2 = jnp.zeros((1, 2, 256), jnp.float32)
+  counted = {}
+  for depth in (0, 4):
+    c = BackwardConfig(num_stages=2, num_stages_dkv=depth)
+    f = functools.partial(backward._dkv_call, q_len=256, kv_len=256, scale=0.1,
+                          mask=CAUSAL_BR, config=c, interpret=False, outputs=("dk", "dv"))
+    [counted[depth]] = lowered_smem_totals(monkeypatch, f, q, k, v, do, lse2, lse2)
+    assert abs(counted[depth] - c.smem_bytes(128)[1]) < 1024, (depth, counted)
+  assert counted[4] > counted[0]
   config = BackwardConfig(block_kv_dq=64, num_stages=1, num_stages_dkv=3)
   assert config.stages_dkv == 3
-  assert config.smem_bytes(64)[1] > dataclasses.replace(config, num_stages_dkv=0).smem_bytes(64)[1]
   _run_each_kernel_with_race_detection(1, 300, 200, 2, 1, 64, CAUSAL_BR, config)
   q, k, v, do = make_inputs(jax.random.key(11), 1, 300, 200, 2, 1, 64, BF16)
   o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=CAUSAL_BR)

@@ -41,6 +41,7 @@ CAUSAL_BR = MaskSpec(causal=True, alignment="bottom_right")
 # ----------------------------------------------------------------------------
 
 from kernel_reference import low_precision_o_with_options, reference  # noqa: E402
+from smem_count import lowered_smem_totals  # noqa: E402
 
 
 def assert_matches(o, lse, q, k, v, *, scale, mask, factor=3.0, atol=2e-3):
@@ -227,30 +228,6 @@ def test_heuristic_pingpong(d_pad, mode, mask):
     assert forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len).pingpong == mode
 
 
-def _lower_counting_smem(monkeypatch, f, *args):
-  """Lowers ``f`` for CUDA on the CPU. Returns Mosaic GPU's shared-memory total
-  of each kernel, and the zero-size scratch views Pallas handed out (what a
-  reduction across warps gets when reduction_scratch_bytes is 0)."""
-  from jax._src.pallas.mosaic_gpu import lowering as pallas_lowering
-  from jax.experimental.mosaic.gpu import core as mgpu_core
-  totals, empty_views = [], []
-  tree_size, scratch_view = mgpu_core._smem_tree_size, pallas_lowering.ModuleContext.scratch_view
-
-  def count(tree):
-    totals.append(tree_size(tree))
-    return totals[-1]
-
-  def view(self, struct):
-    if np.prod(struct.shape) == 0:
-      empty_views.append(struct)
-    return scratch_view(self, struct)
-
-  monkeypatch.setattr(mgpu_core, "_smem_tree_size", count)
-  monkeypatch.setattr(pallas_lowering.ModuleContext, "scratch_view", view)
-  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-  return totals, empty_views
-
-
 def _spec(shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -276,10 +253,10 @@ SMEM_CASES = [
 
 
 @pytest.mark.parametrize("case", SMEM_CASES, ids=range(len(SMEM_CASES)))
-def test_smem_estimate_bounds_mosaic_and_no_cross_warp_reduction(case, monkeypatch):
+def test_smem_estimate_bounds_mosaic_without_reduction_scratch(case, monkeypatch):
   """The forward runs without reduction scratch (reduction_scratch_bytes=0):
-  no reduction in it may cross warps (Pallas would hand it an empty buffer),
-  and forward_smem_bytes must bound what Mosaic GPU allocates, tightly."""
+  every feature still lowers (a reduction across warps would raise, see the
+  next test), and forward_smem_bytes bounds what Mosaic GPU allocates, tightly."""
   D, mask, fields, opts = case
   config = ForwardConfig(**fields)
   B, T, N, K = 2, 1000 + D, 4, 2  # odd T: a shape no other test lowers
@@ -296,16 +273,35 @@ def test_smem_estimate_bounds_mosaic_and_no_cross_warp_reduction(case, monkeypat
     return attention_forward(q, k, v, scale=0.1, mask=mask, config=config,
                              softcap=opts.get("softcap"), **dict(zip(names, extra)))
 
-  totals, empty_views = _lower_counting_smem(
+  totals = lowered_smem_totals(
       monkeypatch, f, _spec((B, T, N, D)), _spec((B, T, K, D)), _spec((B, T, K, D)),
       *kw.values())
-  assert empty_views == []
   assert totals, "nothing lowered (a cached lowering?)"
   need = forward_smem_bytes(config, D, 2)
   if config.persistent and persistent_separate_o(config, D, 2):
     need += 2 * 64 * D * 2  # the persistent kernel's own o tiles
   assert need <= SMEM_LIMIT_BYTES
   assert max(totals) <= need < max(totals) + 1024, (totals, need)
+
+
+def test_cross_warp_reduction_without_scratch_fails_to_lower():
+  """What makes reduction_scratch_bytes=0 safe in the forward: with no scratch,
+  a reduction across warps (axis 0 of a WGMMA-layout tile) raises at lowering
+  instead of writing past an empty buffer; along rows (axis 1) it needs none."""
+  def lower(axis):
+    def body(o_ref, o_smem):
+      x = plgpu.layout_cast(jnp.full((64, 64), 1.0, jnp.float32), plgpu.Layout.WGMMA)
+      o_smem[...] = x.sum(axis=axis)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref)
+      plgpu.wait_smem_to_gmem(0)
+    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64,), jnp.float32),
+                     scratch_types=[plgpu.SMEM((64,), jnp.float32)],
+                     compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))
+    jax.jit(f).trace().lower(lowering_platforms=("cuda",))
+  lower(1)
+  with pytest.raises(ValueError, match="reduction scratch"):
+    lower(0)
 
 
 def test_unsupported_reasons():

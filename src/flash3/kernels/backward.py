@@ -172,10 +172,10 @@ class BackwardConfig:
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
     num_stages_dkv: the dk/dv kernel's own ring depth (0, the default: the
-      same as ``num_stages``). Its ring of q / do tiles needs a third of the
-      dq kernel's K/V ring at head_dim 128 (132 KiB of 227 with two slots),
-      so it has room for more slots than the dq kernel; unmeasured, an A/B
-      knob (twelfth session).
+      same as ``num_stages``). A slot of its q / do ring is half a slot of
+      the dq kernel's K/V ring at head_dim 128 (the kernel takes 130 KiB of
+      227 with two slots), so it has room for more slots than the dq kernel;
+      unmeasured, an A/B knob (twelfth session).
   """
 
   block_q_dq: int = 64
