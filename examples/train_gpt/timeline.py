@@ -46,6 +46,17 @@ def kernel_events(xspace_path: pathlib.Path) -> list[tuple[int, int, str, str]]:
   return events
 
 
+def by_name(timings, top: int) -> list[dict]:
+  """(name, ms) pairs -> the ``top`` names by total time: name (80 chars), ms, count."""
+  totals: dict[str, list[float]] = {}
+  for name, ms in timings:
+    entry = totals.setdefault(name[:80], [0.0, 0])
+    entry[0] += ms
+    entry[1] += 1
+  ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+  return [{"name": k, "ms": v[0], "count": v[1]} for k, v in ranked[:top]]
+
+
 def summarize(events: list[tuple[int, int, str, str]], top: int = 8,
               top_names: int = 25) -> dict:
   """Span, busy time (union of intervals), idle gaps of one step's GPU events."""
@@ -63,20 +74,14 @@ def summarize(events: list[tuple[int, int, str, str]], top: int = 8,
   busy += cur_end - cur_start
   span = cur_end - events[0][0]
   gaps.sort(reverse=True)
-  by_name: dict[str, list[float]] = {}
-  for start, end, name, _ in events:
-    entry = by_name.setdefault(name[:80], [0.0, 0])
-    entry[0] += (end - start) / 1e6
-    entry[1] += 1
-  kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])
   sizes = np.array([g[0] for g in gaps], dtype=np.float64) if gaps else np.zeros(1)
   return {
       "kernels": len(events), "streams": len({e[3] for e in events}),
       "span_ms": span / 1e6, "busy_ms": busy / 1e6, "idle_ms": (span - busy) / 1e6,
       "gaps": len(gaps), "gaps_over_10us": int((sizes > 1e4).sum()),
       "idle_in_gaps_over_10us_ms": float(sizes[sizes > 1e4].sum() / 1e6),
-      "kernel_ms_by_name": [{"name": k, "ms": v[0], "count": v[1]}
-                             for k, v in kernels[:top_names]],
+      "kernel_ms_by_name": by_name(((name, (end - start) / 1e6)
+                                    for start, end, name, _ in events), top_names),
       "largest_gaps": [{"us": g[0] / 1e3, "after": g[1][:90], "before": g[2][:90]}
                        for g in gaps[:top]],
   }
@@ -87,15 +92,9 @@ def cupti_by_name(fn, state, batch, top: int = 25) -> dict:
   (to check it against the trace: both are CUPTI, read differently)."""
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
   _, timings = profiler.measure(fn, aggregate=False)(state, batch)
-  by_name: dict[str, list[float]] = {}
-  for name, ms in timings or []:
-    entry = by_name.setdefault(name[:80], [0.0, 0])
-    entry[0] += ms
-    entry[1] += 1
-  kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-  return {"total_ms": sum(ms for _, ms in timings or []), "kernels": len(timings or []),
-          "kernel_ms_by_name": [{"name": k, "ms": v[0], "count": v[1]}
-                                for k, v in kernels[:top]]}
+  timings = timings or []
+  return {"total_ms": sum(ms for _, ms in timings), "kernels": len(timings),
+          "kernel_ms_by_name": by_name(timings, top)}
 
 
 def main(argv=None) -> dict:
