@@ -7,7 +7,8 @@ looping over the work items,
 causal D=64's default (256-key tiles, a 2-slot ring that wraps, persistent),
 the forward with overlapped softmax (grid, persistent), the other ping-pong modes, exp2 on the FMA pipes,
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
-and both backwards in the plain matmul order (overlap_matmuls=False).
+and both backwards in the plain matmul order (overlap_matmuls=False); last, D=128's
+192-key tiles (its non-causal default for long keys).
 """
 import jax
 import jax.numpy as jnp
@@ -144,3 +145,12 @@ for persistent in (False, True):
                            num_sms=2, reverse_q_tiles=True))
   print(f"half edge tiles, persistent={persistent}: finite "
         f"{bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+# D=128's non-causal default for long keys (thirteenth session): 192-key tiles
+# in a 2-slot ring that wraps (500 keys: 3 tiles, the last ragged), with lengths.
+q7, k7, v7 = (jax.random.normal(kk, (1, s, n, 128), jnp.bfloat16)
+              for kk, s, n in zip(ks, (128, 500, 500), (2, 1, 1)))
+o, lse = attention_forward(q7, k7, v7, scale=0.09, mask=MaskSpec(),
+                           config=ForwardConfig(block_kv=192, num_stages=2),
+                           kv_lengths=jnp.array([450], jnp.int32))
+print(f"192-key tiles at D=128: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")

@@ -228,6 +228,22 @@ def test_heuristic_pingpong(d_pad, mode, mask):
     assert forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len).pingpong == mode
 
 
+@pytest.mark.parametrize("d_pad,mask,kv_len,packed,block_kv", [
+    (128, NO_MASK, 16384, False, 192),    # 2.6% faster than 128 on the H200
+    (128, NO_MASK, 8192, False, 192),
+    (128, NO_MASK, 4096, False, 128),     # 0.6% slower with 192
+    (128, CAUSAL_BR, 16384, False, 128),  # a diagonal cuts 192-key tiles badly
+    (128, MaskSpec(window_left=1024, window_right=1024), 16384, False, 128),
+    (128, NO_MASK, 16384, True, 128),     # packed rows: unmeasured with 192
+    (64, NO_MASK, 16384, False, 256),
+    (256, NO_MASK, 16384, False, 64)])
+def test_heuristic_block_kv(d_pad, mask, kv_len, packed, block_kv):
+  # The thirteenth session's H200 A/B (docs/benchmarks/h200/2026-12-02-s13/).
+  config = forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len, packed=packed)
+  assert config.block_kv == block_kv
+  assert forward_smem_bytes(config, d_pad, 2) <= SMEM_LIMIT_BYTES
+
+
 def _spec(shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -452,6 +468,20 @@ def test_gpu_d128_configs_that_fit_without_reduction_scratch(fields, mask):
   config = ForwardConfig(**fields)
   o, lse = attention_forward(q, k, v, scale=128 ** -0.5, mask=mask, config=config)
   assert_matches(o, lse, q, k, v, scale=128 ** -0.5, mask=mask)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,dtype,lengths", [(128, jnp.bfloat16, False),
+                                             (96, jnp.float16, True)])
+def test_gpu_default_192_key_tiles(D, dtype, lengths):
+  """The default for long non-causal keys at D=128 (and D=96, padded): 192-key
+  tiles, with a ragged last tile (8300 = 43 * 192 + 44) and GQA."""
+  B, Tq, Tk, N, K = 2, 300, 8300, 4, 2
+  assert forward_config(128, dtype, NO_MASK, Tq, Tk).block_kv == 192
+  q, k, v = make_qkv(jax.random.key(13), B, Tq, Tk, N, K, D, dtype)
+  opts = dict(kv_lengths=jnp.array([Tk, 5000], jnp.int32)) if lengths else {}
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=NO_MASK, **opts)
+  assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=NO_MASK, **opts)
+
 
 GRID_D = (64, 128, 256, 96)
 GRID_DTYPES = (jnp.float16, jnp.bfloat16)
