@@ -12,7 +12,9 @@
 # with -k), api (tests/test_mosaic_path.py),
 # serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
-# (STEPS steps, packed documents), train_speed (their steps timed side by side), mgpu_tests, mgpu_bench (both GPUs),
+# (STEPS steps, packed documents), train_speed (their steps timed side by side),
+# train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
+# mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2
 # (config sweeps, each into $OUT/r/<stage>/; TUNE_ARGS adds scripts/tune.py arguments,
 # e.g. "--causal 0 --persistent 0 1"; TUNE_FWD_ARGS, TUNE_FWD2_ARGS, ..., when set,
@@ -88,6 +90,10 @@ run_stage() {  # run_stage NAME GPU
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "$what" \
         --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) \
         --out "$R/$1" ;;
+    train_crosscheck)  # train_flash3's checkpoint: held-out loss under each attention path
+      stage train_crosscheck ${CROSSCHECK_BUDGET:-150} "$g" python3 -m examples.train_gpt.crosscheck \
+        --preset h200 --flash3-kernels-only --seed 0 --out "$R/train/flash3" \
+        --impls flash3,cudnn,xla --json "$R/train/crosscheck.json" ;;
     train_timeline)  # where each step's wall time goes: kernels, idle gaps (traces)
       stage train_timeline ${TIMELINE_BUDGET:-150} "$g" python3 -m examples.train_gpt.timeline \
         --preset h200 --impls flash3,cudnn --flash3-kernels-only --steps 3 \

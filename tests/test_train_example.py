@@ -129,6 +129,25 @@ def test_flash3_switch_matches_xla_on_cpu():
   assert 5.0 < losses["xla"] < 6.0  # ~ln(256) at initialisation
 
 
+def test_crosscheck_evaluates_one_checkpoint_with_each_path(tmp_path, capsys):
+  from examples.train_gpt import crosscheck  # noqa: PLC0415
+  with pytest.raises(SystemExit, match="no checkpoint.npz"):
+    crosscheck.main(TINY + ["--out", str(tmp_path / "none")])
+  train_lib.main(TINY + ["--steps", "4", "--eval-every", "4", "--out", str(tmp_path)])
+  trained = json.loads((tmp_path / "log.json").read_text())["heldout"][-1]["heldout_loss"]
+  out = tmp_path / "crosscheck.json"
+  result = crosscheck.main(TINY + ["--out", str(tmp_path), "--impls", "xla,flash3",
+                                   "--json", str(out)])
+  assert result["step"] == 4 and json.loads(out.read_text()) == result
+  rows = {r["attention"]: r for r in result["results"]}
+  # The trainer's own held-out loss of these parameters, recomputed by the XLA path.
+  assert rows["xla"]["heldout_loss"] == pytest.approx(trained, abs=1e-6)
+  assert rows["xla"]["diff_vs_first"] == 0.0 and len(rows["xla"]["per_batch"]) == 2
+  assert 0 < rows["flash3"]["heldout_loss"] < 6
+  assert abs(rows["flash3"]["diff_vs_first"]) < 1e-3
+  assert "| flash3 |" in capsys.readouterr().out
+
+
 def test_one_hot_embedding_and_pick_equal_the_gather():
   # The model embeds by a one-hot matmul (its gradient is a matmul, not a
   # scatter-add): bitwise the gather's values, and the gather's gradient.
@@ -200,6 +219,16 @@ def test_speed_times_implementations_side_by_side(tmp_path, capsys):
       assert "kernel_ms_median" not in r
   assert rows["xla"]["paired_speed_vs_first"] == 1.0
   assert "| flash3 |" in capsys.readouterr().out
+
+
+def test_alternate_timing_flips_the_order_every_round():
+  calls = []
+  fns = {name: (lambda state, batch, name=name: calls.append(name) or state)
+         for name in ("a", "b", "c")}
+  times = train_lib.time_alternately(fns, 0, None, 3)
+  assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+  # One untimed warm-up call each, then a b c / c b a / a b c.
+  assert calls == list("abc") + list("abc") + list("cba") + list("abc")
 
 
 def test_paired_speed_is_the_median_of_per_round_ratios():

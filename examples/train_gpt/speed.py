@@ -4,9 +4,9 @@
 
 Builds the model of a preset once per implementation (same seed, same batch: the
 first training batch, packed documents included), compiles each train step, and
-times them alternately, one step of each per round, so that drifts in clocks or
-load hit all alike (separate training runs differed by up to 8% in the same
-code on the H200). Prints the median step time, tokens per second and the ratio
+times them alternately, one step of each per round (the order flipped every
+round), so that drifts in clocks or load hit all alike (separate training runs
+differed by up to 8% in the same code on the H200). Prints the median step time, tokens per second and the ratio
 to the first implementation; with --out, writes the numbers as JSON.
 
 Timing is wall time of the whole jitted step (forward, backward, optimizer),

@@ -129,17 +129,24 @@ def to_device(batch: data_lib.Batch) -> dict:
   return {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items()}
 
 
+def round_order(fns: dict, r: int) -> list:
+  """The (name, fn) pairs in round ``r``'s order: as given, reversed on odd rounds."""
+  items = list(fns.items())
+  return items if r % 2 == 0 else items[::-1]
+
+
 def time_alternately(fns: dict, state, batch, steps: int) -> dict[str, list[float]]:
   """Wall seconds of each jitted train step, one step of each in turn, `steps` rounds.
 
-  Alternating makes slow drifts (clocks, other processes) hit every function alike.
-  Each is compiled and run once first, untimed.
+  Alternating makes slow drifts (clocks, other processes) hit every function alike,
+  and the order flips every round (A B, B A, ...) so that none always runs right
+  after the same other one. Each is compiled and run once first, untimed.
   """
   for fn in fns.values():
     jax.block_until_ready(fn(state, batch))
   times = {name: [] for name in fns}
-  for _ in range(steps):
-    for name, fn in fns.items():
+  for r in range(steps):
+    for name, fn in round_order(fns, r):
       t0 = time.perf_counter()
       jax.block_until_ready(fn(state, batch))
       times[name].append(time.perf_counter() - t0)
@@ -155,8 +162,8 @@ def time_kernels_alternately(fns: dict, state, batch, rounds: int,
   """
   from flash3.bench import timing  # noqa: PLC0415
   times = {name: [] for name in fns}
-  for _ in range(rounds):
-    for name, fn in fns.items():
+  for r in range(rounds):
+    for name, fn in round_order(fns, r):
       times[name].append(timing.measure(fn, (state, batch), iterations=per_round,
                                         warmup=0).median)
   return times
