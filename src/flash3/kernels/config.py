@@ -296,7 +296,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
 
   Chosen from a sweep on an H200 (scripts/tune.py, 2026-11-30, bfloat16,
   T 4096 and 16384, against cuDNN in the same run): the widest K/V ring that
-  fits at D=64, 128-key tiles at D=128, 64-key tiles at D=256, and causal
+  fits at D=64, 128-key tiles at D=128 (192 for long non-causal keys since
+  the thirteenth session), 64-key tiles at D=256, and causal
   query tiles launched last-first (4-18% faster than first-first); (sweep
   of 2026-12-01) the persistent kernel for short sequences, see
   ``_prefers_persistent``; and (sixth session,
