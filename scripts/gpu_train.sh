@@ -4,12 +4,15 @@
 # at T=4096, and compare. Run from the repository root:
 #   OUT=/some/dir STEPS=300 bash scripts/gpu_train.sh
 # Writes under $OUT: flash3/ and cudnn/ (log.json, loss.png, train.txt), compare.png,
-# compare.md. Checkpoints (about 1 GB each) stay in $WORK, not in $OUT.
+# compare.md; then crosscheck.md (flash3's final checkpoint evaluated with flash3, cuDNN
+# and XLA: the exact loss check) and speed.md (the two train steps timed side by side,
+# SPEED_ROUNDS rounds in flipped order: the per-step comparison separate runs are too
+# noisy for). Checkpoints (about 1 GB each) stay in $WORK, not in $OUT.
 #
 # flash3 runs with implementation="mosaic" (--flash3-kernels-only) so that it fails rather
 # than quietly timing the XLA path. A small probe first asks whether flash3's kernels and
 # cuDNN both take packed documents (segment ids); if either does not, both runs go without
-# segment ids, and compare.md says so. Takes about 5-8 minutes; lower STEPS if needed.
+# segment ids, and compare.md says so. Takes about 6-9 minutes; lower STEPS if needed.
 # EXTRA_ARGS (word-split) go last to both runs, e.g. EXTRA_ARGS="--batch-size 4".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,3 +50,9 @@ train flash3 flash3 --flash3-kernels-only "${seg[@]}" && train cudnn cudnn "${se
   || { echo "== training failed; see $OUT/*/train.txt" >&2; exit 1; }
 "$PY" -m examples.train_gpt.compare "$OUT/flash3/log.json" "$OUT/cudnn/log.json" --out "$OUT"
 echo "$note" | tee -a "$OUT/compare.md"
+"$PY" -m examples.train_gpt.crosscheck --preset h200 --seed 0 --flash3-kernels-only \
+    "${seg[@]}" ${EXTRA_ARGS:-} --out "$WORK/flash3" --impls flash3,cudnn,xla \
+    --json "$OUT/crosscheck.json" | tee "$OUT/crosscheck.md"
+"$PY" -m examples.train_gpt.speed --preset h200 --seed 0 --flash3-kernels-only \
+    "${seg[@]}" ${EXTRA_ARGS:-} --impls flash3,cudnn --steps "${SPEED_ROUNDS:-60}" \
+    --out "$OUT/speed.json" | tee "$OUT/speed.md"
