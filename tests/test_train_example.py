@@ -250,3 +250,12 @@ def test_speed_rejects_bad_arguments(argv):
   with pytest.raises(SystemExit) as info:
     speed.parse_args(argv)
   assert info.value.code == 2
+
+
+@pytest.mark.parametrize("text", ["flash3,nope", "", " , "])
+def test_crosscheck_rejects_bad_impls_naming_the_allowed(text, capsys):
+  from examples.train_gpt import crosscheck  # noqa: PLC0415
+  with pytest.raises(SystemExit) as info:
+    crosscheck.parse_args(["--impls", text])
+  assert info.value.code == 2
+  assert "allowed: flash3, cudnn, xla" in capsys.readouterr().err

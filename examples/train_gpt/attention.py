@@ -26,6 +26,15 @@ import jax.numpy as jnp
 IMPLEMENTATIONS = ("flash3", "cudnn", "xla")
 
 
+def parse_impls(text: str) -> list[str]:
+  """"flash3,cudnn" -> ["flash3", "cudnn"] (the tools' --impls); ValueError when
+  empty or naming an implementation not in IMPLEMENTATIONS."""
+  impls = [s.strip() for s in text.split(",") if s.strip()]
+  if not impls or any(s not in IMPLEMENTATIONS for s in impls):
+    raise ValueError(f"--impls {text!r}: allowed: {', '.join(IMPLEMENTATIONS)}")
+  return impls
+
+
 @functools.cache
 def flash3_api():
   """flash3.dot_product_attention, or None while the API has not landed."""

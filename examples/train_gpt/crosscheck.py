@@ -45,10 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--json", default=None, help="write the results to this JSON file")
   own, rest = p.parse_known_args(argv)
   args = train_lib.parse_args(rest)
-  impls = [s.strip() for s in own.impls.split(",") if s.strip()]
-  bad = [s for s in impls if s not in attention_lib.IMPLEMENTATIONS]
-  if not impls or bad:
-    p.error(f"--impls {own.impls!r}: allowed: {', '.join(attention_lib.IMPLEMENTATIONS)}")
+  try:
+    impls = attention_lib.parse_impls(own.impls)
+  except ValueError as e:
+    p.error(str(e))
   args.impls, args.json_out = impls, own.json
   return args
 

@@ -47,10 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default=None, help="write the results to this JSON file")
   train_args, rest = p.parse_known_args(argv)
   args = train_lib.parse_args(rest)  # --preset, --seed, --no-segments, sizes, ...
-  impls = [s.strip() for s in train_args.impls.split(",") if s.strip()]
-  bad = [s for s in impls if s not in attention_lib.IMPLEMENTATIONS]
-  if not impls or bad:
-    p.error(f"--impls {train_args.impls!r}: allowed: {', '.join(attention_lib.IMPLEMENTATIONS)}")
+  try:
+    impls = attention_lib.parse_impls(train_args.impls)
+  except ValueError as e:
+    p.error(str(e))
   if train_args.steps < 1:
     p.error(f"--steps {train_args.steps}: must be >= 1")
   args.impls, args.timed_steps, args.json_out = impls, train_args.steps, train_args.out
