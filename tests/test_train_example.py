@@ -171,16 +171,17 @@ def test_one_hot_embedding_and_pick_equal_the_gather():
 def test_timeline_summary_of_kernel_events():
   from examples.train_gpt import timeline  # noqa: PLC0415
   events = [(0, 10_000, "a", "Stream #1"), (5_000, 20_000, "b", "Stream #1"),
-            (30_000, 40_000, "a", "Stream #1"), (90_000, 100_000, "c", "Stream #2")]
+            (30_000, 40_000, "a", "Stream #1"), (90_000, 100_000, "c", "Stream #2"),
+            (100_000, 100_000, "MemcpyDtoD", "Stream #2")]
   s = timeline.summarize(events)
-  assert s["kernels"] == 4 and s["streams"] == 2
+  assert s["kernels"] == 4 and s["copies"] == 1 and s["streams"] == 2
   assert s["span_ms"] == pytest.approx(0.1)
   assert s["busy_ms"] == pytest.approx(0.04)  # 0-20, 30-40, 90-100 us
   assert s["idle_ms"] == pytest.approx(0.06)
   assert s["gaps_over_10us"] == 1 and s["idle_in_gaps_over_10us_ms"] == pytest.approx(0.05)
   assert s["largest_gaps"][0] == {"us": 50.0, "after": "a", "before": "c"}
   assert s["kernel_ms_by_name"][0] == {"name": "a", "ms": pytest.approx(0.02), "count": 2}
-  assert timeline.summarize([]) == {"kernels": 0}
+  assert timeline.summarize([]) == {"kernels": 0, "copies": 0}
   # An event inside a longer one: busy is the union, the gap follows the long one.
   nested = [(0, 30_000, "long", "Stream #1"), (5_000, 10_000, "short", "Stream #2"),
             (40_000, 50_000, "x", "Stream #1")]

@@ -57,11 +57,18 @@ def by_name(timings, top: int) -> list[dict]:
   return [{"name": k, "ms": v[0], "count": v[1]} for k, v in ranked[:top]]
 
 
+def is_copy(name: str) -> bool:
+  """Whether a GPU event is a copy or memset (streams carry them beside kernels)."""
+  name = name.lower()
+  return "memcpy" in name or "memset" in name
+
+
 def summarize(events: list[tuple[int, int, str, str]], top: int = 8,
               top_names: int = 25) -> dict:
-  """Span, busy time (union of intervals), idle gaps of one step's GPU events."""
+  """Span, busy time (union of intervals), idle gaps of one step's GPU events;
+  "kernels" counts the events that are not copies or memsets ("copies")."""
   if not events:
-    return {"kernels": 0}
+    return {"kernels": 0, "copies": 0}
   busy, gaps = 0, []
   cur_start, cur_end, cur_name = events[0][0], events[0][1], events[0][2]
   for start, end, name, _ in events[1:]:
@@ -76,7 +83,8 @@ def summarize(events: list[tuple[int, int, str, str]], top: int = 8,
   gaps.sort(reverse=True)
   sizes = np.array([g[0] for g in gaps], dtype=np.float64) if gaps else np.zeros(1)
   return {
-      "kernels": len(events), "streams": len({e[3] for e in events}),
+      "kernels": sum(not is_copy(e[2]) for e in events),
+      "copies": sum(is_copy(e[2]) for e in events), "streams": len({e[3] for e in events}),
       "span_ms": span / 1e6, "busy_ms": busy / 1e6, "idle_ms": (span - busy) / 1e6,
       "gaps": len(gaps), "gaps_over_10us": int((sizes > 1e4).sum()),
       "idle_in_gaps_over_10us_ms": float(sizes[sizes > 1e4].sum() / 1e6),
@@ -93,7 +101,9 @@ def cupti_by_name(fn, state, batch, top: int = 25) -> dict:
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
   _, timings = profiler.measure(fn, aggregate=False)(state, batch)
   timings = timings or []
-  return {"total_ms": sum(ms for _, ms in timings), "kernels": len(timings),
+  return {"total_ms": sum(ms for _, ms in timings),
+          "kernels": sum(not is_copy(name) for name, _ in timings),
+          "copies": sum(is_copy(name) for name, _ in timings),
           "kernel_ms_by_name": by_name(timings, top)}
 
 
@@ -138,8 +148,9 @@ def main(argv=None) -> dict:
       steps.append(summarize(kernel_events(found[-1])))
     result[impl] = {"traced_steps": steps, "cupti_measure": cupti[impl]}
     s = steps[-1]
-    if s["kernels"]:
-      say(f"{impl}: {s['kernels']} kernels on {s['streams']} streams; span "
+    if s["kernels"] or s["copies"]:
+      say(f"{impl}: {s['kernels']} kernels, {s['copies']} copies / memsets on "
+          f"{s['streams']} streams; span "
           f"{s['span_ms']:.2f} ms, busy {s['busy_ms']:.2f}, idle {s['idle_ms']:.2f} "
           f"({s['gaps_over_10us']} gaps > 10 us hold {s['idle_in_gaps_over_10us_ms']:.2f} ms)")
       for g in s["largest_gaps"][:3]:
@@ -151,7 +162,7 @@ def main(argv=None) -> dict:
     c = cupti[impl]
     if c:
       say(f"  profiler.measure (CUPTI) of one step: {c['total_ms']:.2f} ms in "
-          f"{c['kernels']} kernels")
+          f"{c['kernels']} kernels and {c['copies']} copies / memsets")
       for k in c["kernel_ms_by_name"][:12]:
         say(f"    {k['ms']:8.3f} ms {k['count']:5d}x  {k['name']}")
   out.mkdir(parents=True, exist_ok=True)
