@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The README's main command (make demo): set up, then train a byte-level GPT on the Python
 # standard library's own source with flash3's attention.
-#   - H200/H100 (Hopper): T=4096, a few hundred steps with flash3's kernels.
+#   - H200/H100 (Hopper): T=4096, a few hundred steps with flash3's kernels and the same with
+#     cuDNN from the same seed, then one checkpoint under both and their steps side by side
+#     (scripts/gpu_train.sh).
 #   - No GPU: a tiny model on the XLA path (the same program), in under two minutes on 2 cores.
 # Extra arguments go to the trainer (python -m examples.train_gpt --help).
 set -euo pipefail
@@ -16,20 +18,23 @@ FLASH3_EXTRAS=$extras bash scripts/env.sh
 py="$root/.venv/bin/python"
 
 if "$py" -c 'from flash3._device import hopper_device_kind as h; raise SystemExit(h() is None)'; then
-  preset=h200
-  echo "flash3 demo: Hopper GPU found: T=4096, a few hundred steps with flash3's kernels" >&2
-  # Packed documents only once the kernels take segment ids; else flash3 would use XLA.
-  if ! "$py" -m examples.train_gpt.probe flash3; then
-    echo "flash3 demo: training without segment ids (attention crosses file boundaries)" >&2
-    set -- --no-segments "$@"
-  fi
-else
-  preset=cpu
-  echo "flash3 demo: no Hopper GPU here, so a tiny model with attention on the XLA path" \
-       "(flash3's fallback); the same command uses the kernels on an H100/H200" >&2
+  # The full demo: flash3's kernels and cuDNN from the same seed, their loss curves, the
+  # same checkpoint under both, their train steps side by side.
+  echo "flash3 demo: Hopper GPU found: flash3's kernels and cuDNN, T=4096, a few hundred" \
+       "steps each from the same seed, then the exact loss check and the step timing" \
+       "(scripts/gpu_train.sh, about 6-9 minutes on an H200)" >&2
+  out=runs/demo-h200
+  rm -rf "$out"
+  start=$(date +%s)
+  PY="$py" OUT="$out" EXTRA_ARGS="$*" bash scripts/gpu_train.sh
+  echo "flash3 demo: finished in $(( $(date +%s) - start )) s; see $out/compare.png," \
+       "$out/compare.md, $out/crosscheck.md and $out/speed.md" >&2
+  exit 0
 fi
-out="runs/demo-$preset"
+echo "flash3 demo: no Hopper GPU here, so a tiny model with attention on the XLA path" \
+     "(flash3's fallback); the same command uses the kernels on an H100/H200" >&2
+out=runs/demo-cpu
 rm -rf "$out"  # a fresh run each time; use the trainer's --resume to continue one instead
 start=$(date +%s)
-"$py" -m examples.train_gpt --preset "$preset" --attention flash3 --out "$out" "$@"
+"$py" -m examples.train_gpt --preset cpu --attention flash3 --out "$out" "$@"
 echo "flash3 demo: finished in $(( $(date +%s) - start )) s; see $out/loss.png and $out/log.json" >&2

@@ -1,42 +1,53 @@
 #!/usr/bin/env bash
-# On an H200 (the device machine: python3 with jax, optax, matplotlib, tqdm; no .venv):
-# train the byte-level GPT with flash3 and with cuDNN from the same seed, a few hundred steps
-# at T=4096, and compare. Run from the repository root:
+# On an H100/H200: train the byte-level GPT with flash3 and with cuDNN from the same seed,
+# a few hundred steps at T=4096, and show both halves of the comparison. Run from the
+# repository root (`make demo` does, on a Hopper GPU; or with the image's python3):
 #   OUT=/some/dir STEPS=300 bash scripts/gpu_train.sh
-# Writes under $OUT: flash3/ and cudnn/ (log.json, loss.png, train.txt), compare.png,
-# compare.md; then crosscheck.md (flash3's final checkpoint evaluated with flash3, cuDNN
-# and XLA: the exact loss check) and speed.md (the two train steps timed side by side,
-# SPEED_ROUNDS rounds in flipped order: the per-step comparison separate runs are too
-# noisy for). Checkpoints (about 1 GB each) stay in $WORK, not in $OUT.
+# Writes under $OUT: flash3/ and cudnn/ (log.json, loss.png, train.txt); compare.png and
+# compare.md (the two loss curves and their difference, tokens/s); crosscheck.md (flash3's
+# final checkpoint evaluated with flash3, cuDNN and XLA: the exact loss check, since two
+# runs drift apart); speed.md (the two train steps timed side by side, SPEED_ROUNDS rounds
+# in flipped order: the per-step comparison separate runs are too noisy for).
+# Checkpoints (about 1 GB each) stay in $WORK, not in $OUT.
 #
 # flash3 runs with implementation="mosaic" (--flash3-kernels-only) so that it fails rather
 # than quietly timing the XLA path. A small probe first asks whether flash3's kernels and
-# cuDNN both take packed documents (segment ids); if either does not, both runs go without
-# segment ids, and compare.md says so. Takes about 6-9 minutes; lower STEPS if needed.
-# EXTRA_ARGS (word-split) go last to both runs, e.g. EXTRA_ARGS="--batch-size 4".
+# the other path both take packed documents (segment ids); if either does not, both runs go
+# without segment ids, and compare.md says so. Takes about 6-9 minutes on an H200; lower
+# STEPS if needed. EXTRA_ARGS (word-split) go last to every run, e.g.
+# EXTRA_ARGS="--batch-size 4". PY picks the interpreter (default python3).
+# For a dry run without a GPU (tests/test_gpu_train_script.py): PRESET=cpu OTHER=xla
+# FLASH3_FLAGS="" (flash3 then takes its XLA path).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-runs/gpu_train}
 STEPS=${STEPS:-300}
+PRESET=${PRESET:-h200}
+OTHER=${OTHER:-cudnn}
+FLASH3_FLAGS=${FLASH3_FLAGS---flash3-kernels-only}
 WORK=${WORK:-$(mktemp -d)}
 PY=${PY:-python3}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
+# shellcheck disable=SC2206
+f3=($FLASH3_FLAGS)
+common=(--preset "$PRESET" --seed 0)
 
-train() {  # train NAME ATTENTION [flags...]
-  local name=$1 impl=$2; shift 2
-  mkdir -p "$OUT/$name"
-  echo "== $name: --attention $impl $*" | tee "$OUT/$name/train.txt"
-  "$PY" -m examples.train_gpt --preset h200 --attention "$impl" --seed 0 --steps "$STEPS" \
-      --out "$WORK/$name" --no-progress "$@" ${EXTRA_ARGS:-} 2>&1 | tee -a "$OUT/$name/train.txt"
+train() {  # train ATTENTION [flags...]
+  local impl=$1; shift
+  mkdir -p "$OUT/$impl"
+  echo "== $impl: --attention $impl $*" | tee "$OUT/$impl/train.txt"
+  # shellcheck disable=SC2086
+  "$PY" -m examples.train_gpt "${common[@]}" --attention "$impl" --steps "$STEPS" \
+      --out "$WORK/$impl" --no-progress "$@" ${EXTRA_ARGS:-} 2>&1 | tee -a "$OUT/$impl/train.txt"
   local rc=${PIPESTATUS[0]}
-  cp "$WORK/$name/log.json" "$WORK/$name/loss.png" "$OUT/$name/" 2>/dev/null
+  cp "$WORK/$impl/log.json" "$WORK/$impl/loss.png" "$OUT/$impl/" 2>/dev/null
   return "$rc"
 }
 
 "$PY" -c 'import jax; print(jax.devices())' | tee "$OUT/devices.txt"
 # Packed documents for both runs only if both kernels take segment ids (a small probe).
-probe=$("$PY" -m examples.train_gpt.probe flash3 2>&1 | tail -1; "$PY" -m examples.train_gpt.probe cudnn 2>&1 | tail -1)
+probe=$("$PY" -m examples.train_gpt.probe flash3 2>&1 | tail -1; "$PY" -m examples.train_gpt.probe "$OTHER" 2>&1 | tail -1)
 echo "$probe" | tee "$OUT/probe.txt"
 if ! echo "$probe" | grep -q ": no"; then
   note="both runs with packed documents (segment ids)"
@@ -46,13 +57,18 @@ else
   seg=(--no-segments)
 fi
 echo "== $note" >&2
-train flash3 flash3 --flash3-kernels-only "${seg[@]}" && train cudnn cudnn "${seg[@]}" \
+train flash3 "${f3[@]}" "${seg[@]}" && train "$OTHER" "${seg[@]}" \
   || { echo "== training failed; see $OUT/*/train.txt" >&2; exit 1; }
-"$PY" -m examples.train_gpt.compare "$OUT/flash3/log.json" "$OUT/cudnn/log.json" --out "$OUT"
+"$PY" -m examples.train_gpt.compare "$OUT/flash3/log.json" "$OUT/$OTHER/log.json" --out "$OUT"
 echo "$note" | tee -a "$OUT/compare.md"
-"$PY" -m examples.train_gpt.crosscheck --preset h200 --seed 0 --flash3-kernels-only \
-    "${seg[@]}" ${EXTRA_ARGS:-} --out "$WORK/flash3" --impls flash3,cudnn,xla \
-    --json "$OUT/crosscheck.json" | tee "$OUT/crosscheck.md"
-"$PY" -m examples.train_gpt.speed --preset h200 --seed 0 --flash3-kernels-only \
-    "${seg[@]}" ${EXTRA_ARGS:-} --impls flash3,cudnn --steps "${SPEED_ROUNDS:-60}" \
-    --out "$OUT/speed.json" | tee "$OUT/speed.md"
+impls=flash3,$OTHER
+[ "$OTHER" = xla ] || impls=$impls,xla
+# shellcheck disable=SC2086
+"$PY" -m examples.train_gpt.crosscheck "${common[@]}" "${f3[@]}" "${seg[@]}" ${EXTRA_ARGS:-} \
+    --out "$WORK/flash3" --impls "$impls" --json "$OUT/crosscheck.json" \
+    | tee "$OUT/crosscheck.md" || exit 1
+# shellcheck disable=SC2086
+"$PY" -m examples.train_gpt.speed "${common[@]}" "${f3[@]}" "${seg[@]}" ${EXTRA_ARGS:-} \
+    --impls "flash3,$OTHER" --steps "${SPEED_ROUNDS:-60}" --out "$OUT/speed.json" \
+    | tee "$OUT/speed.md" || exit 1
+echo "== wrote $OUT: compare.png, compare.md, crosscheck.md, speed.md" >&2
