@@ -84,7 +84,7 @@ run_stage() {  # run_stage NAME GPU
     train_speed)  # flash3 vs cuDNN train steps timed alternately in one process
       stage train_speed ${SPEED_BUDGET:-200} "$g" python3 -m examples.train_gpt.speed \
         --preset h200 --impls flash3,cudnn --flash3-kernels-only --steps ${SPEED_STEPS:-30} \
-        --out "$R/train/speed.json" ;;
+        --json "$R/train/speed.json" ;;
     tune_fwd|tune_bwd|tune_fwd2|tune_bwd2)  # config sweeps against cuDNN (scripts/tune.py)
       local what=${1#tune_}; what=${what%2}
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "$what" \

@@ -69,6 +69,6 @@ impls=flash3,$OTHER
     | tee "$OUT/crosscheck.md" || exit 1
 # shellcheck disable=SC2086
 "$PY" -m examples.train_gpt.speed "${common[@]}" "${f3[@]}" "${seg[@]}" ${EXTRA_ARGS:-} \
-    --impls "flash3,$OTHER" --steps "${SPEED_ROUNDS:-60}" --out "$OUT/speed.json" \
+    --impls "flash3,$OTHER" --steps "${SPEED_ROUNDS:-60}" --json "$OUT/speed.json" \
     | tee "$OUT/speed.md" || exit 1
 echo "== wrote $OUT: compare.png, compare.md, crosscheck.md, speed.md" >&2

@@ -196,13 +196,15 @@ def test_cudnn_without_a_gpu_says_so():
     train_lib.check_attention_device("cudnn", "cpu")
   train_lib.check_attention_device("cudnn", "gpu")
   train_lib.check_attention_device("flash3", "cpu")
+  with pytest.raises(SystemExit, match="--flash3-kernels-only needs a Hopper GPU .*cpu"):
+    train_lib.check_attention_device("flash3", "cpu", kernels_only=True)
 
 
 def test_speed_times_implementations_side_by_side(tmp_path, capsys):
   from examples.train_gpt import speed  # noqa: PLC0415
   sizes = [a for a in TINY if a not in ("--attention", "xla")]
   out = tmp_path / "speed.json"
-  result = speed.main(sizes + ["--impls", "xla,flash3", "--steps", "2", "--out", str(out)])
+  result = speed.main(sizes + ["--impls", "xla,flash3", "--steps", "2", "--json", str(out)])
   assert json.loads(out.read_text()) == result
   rows = {r["attention"]: r for r in result["results"]}
   assert list(rows) == ["xla", "flash3"]
@@ -260,3 +262,39 @@ def test_crosscheck_rejects_bad_impls_naming_the_allowed(text, capsys):
     crosscheck.parse_args(["--impls", text])
   assert info.value.code == 2
   assert "allowed: flash3, cudnn, xla" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_says_so_and_share_has_an_interval(tmp_path, capsys):
+  args = [a for a in TINY if a not in ("--attention-share-steps", "0")]
+  log = train_lib.main(args + ["--steps", "2", "--eval-every", "2", "--resume",
+                               "--attention-share-steps", "3", "--out", str(tmp_path)])
+  assert f"no checkpoint at {tmp_path / 'checkpoint.npz'}; starting from step 0" in (
+      capsys.readouterr().err)
+  assert [r["step"] for r in log["steps"]] == [1, 2]
+  at = log["summary"]["attention_time"]
+  lo, hi = at["attention_share_ci95"]
+  assert lo <= hi < 1
+
+
+def test_compare_names_two_runs_of_one_path_by_folder_and_shows_noise():
+  from examples.train_gpt import compare  # noqa: PLC0415
+  logs = [{"name": "flash3"}, {"name": "flash3"}]
+  compare.name_runs(logs, ["/x/run1/log.json", "/x/run2/log.json"])
+  assert [g["name"] for g in logs] == ["flash3 (run1)", "flash3 (run2)"]
+  other = [{"name": "flash3"}, {"name": "cudnn"}]
+  compare.name_runs(other, ["/x/a/log.json", "/x/b/log.json"])
+  assert [g["name"] for g in other] == ["flash3", "cudnn"]
+  assert compare.share_text({}) == "n/a"
+  assert compare.share_text({"attention_share": 0.32,
+                             "attention_share_ci95": [0.30, 0.33]}) == "32%"
+  assert compare.share_text({"attention_share": 0.05,
+                             "attention_share_ci95": [-0.02, 0.09]}) == "noise"
+  # Logs written before the interval existed keep their figure.
+  assert compare.share_text({"attention_share": 0.31}) == "31%"
+
+
+def test_checkpoint_of_another_model_names_the_flags(tmp_path):
+  from examples.train_gpt import checkpoint  # noqa: PLC0415
+  checkpoint.save(tmp_path / "c.npz", {"w": jnp.zeros((2, 3))}, 1)
+  with pytest.raises(ValueError, match=r"\(2, 3\) float32, expected \(3, 3\).*--num-layers"):
+    checkpoint.restore(tmp_path / "c.npz", {"w": jnp.zeros((3, 3))})

@@ -71,10 +71,12 @@ def test_key_rank_differs_from_query():
     ("batch", (B + 1, TK, K, D)),
     ("head_dim", (B, TK, K, D + 1)),
 ])
-def test_key_mismatches_query(which, shape):
+@pytest.mark.parametrize("value_too", [True, False])
+def test_key_mismatches_query(which, shape, value_too):
+  # With value still matching query, the error names key, not value.
   k = np.zeros(shape, np.float32)
-  expect(ValueError, "key", str(shape[0] if which == "batch" else shape[3]),
-         k=k, v=k)
+  expect(ValueError, "key has", str(shape[0] if which == "batch" else shape[3]),
+         k=k, **(dict(v=k) if value_too else {}))
 
 
 def test_value_shape_differs_from_key():

@@ -35,16 +35,19 @@ def restore(path: str | os.PathLike, template):
   (e.g. a checkpoint from a model of another size).
   """
   leaves, treedef = jax.tree.flatten(template)
+  hint = ("; a checkpoint from a run with other model flags (--preset, --num-layers, "
+          "--head-dim, ...)? Use that run's flags, or another --out")
   with np.load(path) as f:
     n = int(f["num_leaves"])
     if n != len(leaves):
-      raise ValueError(f"checkpoint {path} has {n} arrays, the model needs {len(leaves)}")
+      raise ValueError(f"checkpoint {path} has {n} arrays, the model needs "
+                       f"{len(leaves)}{hint}")
     loaded = []
     for i, ref in enumerate(leaves):
       a = f[f"leaf_{i:05d}"]
       if a.shape != tuple(ref.shape) or a.dtype != np.dtype(ref.dtype):
         raise ValueError(f"checkpoint {path} array {i}: {a.shape} {a.dtype}, expected "
-                         f"{tuple(ref.shape)} {np.dtype(ref.dtype)}")
+                         f"{tuple(ref.shape)} {np.dtype(ref.dtype)}{hint}")
       loaded.append(jax.numpy.asarray(a))
     step = int(f["step"])
   return jax.tree.unflatten(treedef, loaded), step

@@ -22,13 +22,30 @@ def load(path) -> dict:
   return log
 
 
+def name_runs(logs: list[dict], paths: list[str]) -> None:
+  """Two runs of the same attention path are told apart by their folders."""
+  if logs[0]["name"] == logs[1]["name"]:
+    for log, path in zip(logs, paths):
+      log["name"] = f"{log['name']} ({pathlib.Path(path).resolve().parent.name})"
+
+
+def share_text(attention_time: dict) -> str:
+  """"32%", or "noise" when the share's 95% interval reaches 0 (small models,
+  busy CPUs), or "n/a" when not measured."""
+  if not attention_time:
+    return "n/a"
+  lo = attention_time.get("attention_share_ci95", [1.0, 1.0])[0]
+  if lo <= 0:
+    return "noise"
+  return f"{100 * attention_time['attention_share']:.0f}%"
+
+
 def table(logs: list[dict]) -> str:
   rows = ["| run | attention path | tokens/s | median step (s) | attention share of step | "
           "first -> final held-out loss | final train loss |", "|---|---|---|---|---|---|---|"]
   for log in logs:
     s = log.get("summary", {})
-    at = s.get("attention_time", {})
-    share = f"{100 * at['attention_share']:.0f}%" if at else "n/a"
+    share = share_text(s.get("attention_time", {}))
     rows.append(
         f"| {log['name']} | {log['attention']} | {s.get('tokens_per_s', float('nan')):,.0f} | "
         f"{s.get('median_step_s', float('nan')):.4f} | {share} | "
@@ -47,6 +64,7 @@ def main(argv=None) -> None:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   logs = [load(x) for x in args.logs]
+  name_runs(logs, args.logs)
 
   a, b = ({r["step"]: r["train_loss"] for r in log["steps"]} for log in logs)
   common = sorted(set(a) & set(b))

@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
                      f"same flags (python -m examples.train_gpt --out {args.out})")
   platform = jax.devices()[0].platform
   for impl in args.impls:
-    train_lib.check_attention_device(impl, platform)
+    train_lib.check_attention_device(impl, platform, args.flash3_kernels_only)
   _, heldout_stream = train_lib.load_data(args)
   heldout = [train_lib.to_device(b) for b in data_lib.heldout_batches(
       heldout_stream, args.eval_batches, args.batch_size, args.seq_len)]

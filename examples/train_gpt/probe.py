@@ -8,6 +8,7 @@ fallback to XLA counts as "no". Used by scripts/gpu_train.sh to choose whether b
 use segment ids before spending minutes on a run that would fail.
 """
 
+import argparse
 import sys
 
 import jax
@@ -17,7 +18,10 @@ from . import attention as attention_lib
 
 
 def main() -> int:
-  impl = sys.argv[1]
+  p = argparse.ArgumentParser(prog="python -m examples.train_gpt.probe", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("implementation", choices=attention_lib.IMPLEMENTATIONS)
+  impl = p.parse_args().implementation
   B, T, N, K, D = 2, 256, 8, 2, 128
   q, k, v = (jax.random.normal(jax.random.key(i), (B, T, h, D), jnp.bfloat16)
              for i, h in enumerate((N, K, K)))

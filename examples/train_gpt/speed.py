@@ -7,7 +7,7 @@ first training batch, packed documents included), compiles each train step, and
 times them alternately, one step of each per round (the order flipped every
 round), so that drifts in clocks or load hit all alike (separate training runs
 differed by up to 8% in the same code on the H200). Prints the median step time, tokens per second and the ratio
-to the first implementation; with --out, writes the numbers as JSON.
+to the first implementation; with --json, writes the numbers as JSON.
 
 Timing is wall time of the whole jitted step (forward, backward, optimizer),
 after one untimed step each; the ratio to the first implementation is also
@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="comma-separated attention implementations, the first is the "
                       f"baseline of the ratios (from {', '.join(attention_lib.IMPLEMENTATIONS)})")
   p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each)")
-  p.add_argument("--out", default=None, help="write the results to this JSON file")
+  p.add_argument("--json", default=None, help="write the results to this JSON file")
   train_args, rest = p.parse_known_args(argv)
   args = train_lib.parse_args(rest)  # --preset, --seed, --no-segments, sizes, ...
   try:
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(str(e))
   if train_args.steps < 1:
     p.error(f"--steps {train_args.steps}: must be >= 1")
-  args.impls, args.timed_steps, args.json_out = impls, train_args.steps, train_args.out
+  args.impls, args.timed_steps, args.json_out = impls, train_args.steps, train_args.json
   return args
 
 
@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
   say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
   device = jax.devices()[0]
   for impl in args.impls:
-    train_lib.check_attention_device(impl, device.platform)
+    train_lib.check_attention_device(impl, device.platform, args.flash3_kernels_only)
   train_stream, _ = train_lib.load_data(args)
   batch = train_lib.to_device(data_lib.train_batch(train_stream, 1, args.batch_size,
                                                    args.seq_len, args.seed))

@@ -185,7 +185,9 @@ def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict
   """Time the real train step against one with attention replaced by a stand-in.
 
   The two are timed alternately, one step each, `steps` times, and compared by their
-  medians, so that load from other processes hits both alike.
+  medians, so that load from other processes hits both alike; the share's 95%
+  interval comes from the per-round ratios (``paired_speed``): where it reaches 0
+  the share is below timing noise.
   """
   variants = {"with_attention": config,
               "attention_replaced": dataclasses.replace(config, attention="identity")}
@@ -193,9 +195,12 @@ def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict
   times = time_alternately(fns, state, batch, steps)
   full = float(np.median(times["with_attention"]))
   replaced = float(np.median(times["attention_replaced"]))
+  # Per round replaced / full = 1 - share: its interval bounds the share's.
+  _, lo, hi = paired_speed(times["with_attention"], times["attention_replaced"])
   return {"method": "1 - median t(step, attention replaced by o=q+k+v) / median t(step), "
           "timed alternately", "step_s": full, "step_s_attention_replaced": replaced,
-          "attention_share": 1.0 - replaced / full, "timed_steps": steps}
+          "attention_share": 1.0 - replaced / full,
+          "attention_share_ci95": [1.0 - hi, 1.0 - lo], "timed_steps": steps}
 
 
 def evaluate(eval_fn, params, batches) -> float:
@@ -229,11 +234,18 @@ def write_json(path: pathlib.Path, obj) -> None:
   os.replace(tmp, path)
 
 
-def check_attention_device(attention: str, platform: str) -> None:
-  """cuDNN needs an NVIDIA GPU: say so up front, not deep inside the first step."""
+def check_attention_device(attention: str, platform: str,
+                           kernels_only: bool = False) -> None:
+  """cuDNN needs an NVIDIA GPU and --flash3-kernels-only a Hopper one: say so up
+  front, not deep inside the first step."""
   if attention == "cudnn" and platform != "gpu":
     raise SystemExit(f"--attention cudnn needs an NVIDIA GPU; the default device is a "
                      f"{platform}: use --attention flash3 or xla here")
+  if attention == "flash3" and kernels_only:
+    from flash3._device import why_not_hopper  # noqa: PLC0415
+    if (reason := why_not_hopper()) is not None:
+      raise SystemExit(f"--flash3-kernels-only needs a Hopper GPU (H100/H200); here: {reason}; "
+                       f"without the flag flash3 takes its XLA path here and says so")
 
 
 def main(argv=None) -> dict:
@@ -260,7 +272,11 @@ def run(args, caught_warnings: list[str]) -> dict:
   train_stream, heldout_stream = load_data(args)
   config = model_config(args, args.attention)
   device = jax.devices()[0]
-  check_attention_device(args.attention, device.platform)
+  check_attention_device(args.attention, device.platform, args.flash3_kernels_only)
+  if args.preset != "cpu" and device.platform == "cpu":
+    say(f"warning: --preset {args.preset} on a CPU: a ~90M-parameter model at T="
+        f"{args.seq_len}, hours per hundred steps if memory lasts; --preset cpu is "
+        f"the size for this machine")
   path_line = attention_lib.describe(args.attention)
   say(f"device: {device.device_kind} ({device.platform}); attention: {path_line}")
   say(f"data: {len(train_stream.files)} train files ({len(train_stream) / 1e6:.1f} MB), "
@@ -280,6 +296,8 @@ def run(args, caught_warnings: list[str]) -> dict:
   log = {"args": vars(args), "config": dataclasses.asdict(config), "attention": path_line,
          "device": f"{device.device_kind} ({device.platform})", "steps": [], "heldout": [],
          "warnings": caught_warnings}
+  if args.resume and not ckpt_path.exists():
+    say(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
   if args.resume and ckpt_path.exists():
     state, start = checkpoint.restore(ckpt_path, state)
     if log_path.exists():
@@ -358,8 +376,10 @@ def run(args, caught_warnings: list[str]) -> dict:
   if "tokens_per_s" in summary:
     msg += f"; {summary['tokens_per_s']:,.0f} tokens/s"
   if "attention_time" in summary:
-    share = summary["attention_time"]["attention_share"]
-    msg += (f"; attention {100 * share:.0f}% of step time" if share >= 0.02 else
+    at = summary["attention_time"]
+    lo, hi = at["attention_share_ci95"]
+    msg += (f"; attention {100 * at['attention_share']:.0f}% of step time (95% interval "
+            f"{100 * lo:.0f}-{100 * hi:.0f}%)" if lo > 0 else
             "; attention's share of step time is below timing noise at this size")
   say(msg + f"; wrote {log_path}, {out / 'loss.png'}, {ckpt_path}")
   return log

@@ -280,12 +280,13 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   v = jnp.asarray(value)[None] if unbatched else jnp.asarray(value)
   B, Tq, N, D = q.shape
   Bk, Tk, K, Dk = k.shape
-  if _shape(v) != _shape(k):
-    raise ValueError(f"value has shape {_shape(value)}; allowed: the shape of key {_shape(key)}")
+  # key against query first: a wrong key must not be reported as a wrong value.
   if Bk != B:
     raise ValueError(f"key has batch size B={Bk}; allowed: query's batch size B={B}")
   if Dk != D:
     raise ValueError(f"key has head_dim D={Dk}; allowed: query's head_dim D={D}")
+  if _shape(v) != _shape(k):
+    raise ValueError(f"value has shape {_shape(value)}; allowed: the shape of key {_shape(key)}")
   if K == 0 or N % K:
     raise ValueError(
         f"query has N={N} heads and key has K={K}; allowed: K >= 1 dividing N (GQA/MQA)")
