@@ -174,8 +174,10 @@ class BackwardConfig:
     num_stages_dkv: the dk/dv kernel's own ring depth (0, the default: the
       same as ``num_stages``). A slot of its q / do ring is half a slot of
       the dq kernel's K/V ring at head_dim 128 (the kernel takes 130 KiB of
-      227 with two slots), so it has room for more slots than the dq kernel;
-      unmeasured, an A/B knob (twelfth session).
+      227 with two slots), so it has room for more slots than the dq kernel.
+      On an H200 (thirteenth session, docs/benchmarks/h200/2026-12-02-s13/
+      tune.md) 3 and 4 slots were slower or even on 8 shapes (head_dim 64,
+      128): the kernel is not waiting on its loads. Kept as an A/B knob.
   """
 
   block_q_dq: int = 64
