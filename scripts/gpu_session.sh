@@ -14,6 +14,7 @@
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
 # (STEPS steps, packed documents), train_speed (their steps timed side by side),
 # train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
+# train_script (scripts/gpu_train.sh end to end: what make demo runs on a Hopper GPU),
 # mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2
 # (config sweeps, each into $OUT/r/<stage>/; TUNE_ARGS adds scripts/tune.py arguments,
@@ -90,6 +91,10 @@ run_stage() {  # run_stage NAME GPU
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "$what" \
         --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) \
         --out "$R/$1" ;;
+    train_script)  # make demo's GPU path end to end: scripts/gpu_train.sh (both runs,
+      # compare, crosscheck, speed), into $OUT/r/train_script
+      stage train_script ${TRAIN_SCRIPT_BUDGET:-420} "$g" env OUT="$R/train_script" \
+        STEPS="$STEPS" PY=python3 bash scripts/gpu_train.sh ;;
     train_crosscheck)  # train_flash3's checkpoint: held-out loss under each attention path
       stage train_crosscheck ${CROSSCHECK_BUDGET:-150} "$g" python3 -m examples.train_gpt.crosscheck \
         --preset h200 --flash3-kernels-only --seed 0 --out "$R/train/flash3" \
