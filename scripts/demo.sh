@@ -22,7 +22,7 @@ if "$py" -c 'from flash3._device import hopper_device_kind as h; raise SystemExi
   # same checkpoint under both, their train steps side by side.
   echo "flash3 demo: Hopper GPU found: flash3's kernels and cuDNN, T=4096, a few hundred" \
        "steps each from the same seed, then the exact loss check and the step timing" \
-       "(scripts/gpu_train.sh, about 6-9 minutes on an H200)" >&2
+       "(scripts/gpu_train.sh, about 5 minutes on an H200)" >&2
   out=runs/demo-h200
   rm -rf "$out"
   start=$(date +%s)
