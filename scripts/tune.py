@@ -229,6 +229,15 @@ def _visible_pairs(T: int, causal: bool, window: int | None,
   return float(np.sum(hi - lo))
 
 
+def _by_kernel(timings) -> dict:
+  """profiler.measure(..., aggregate=False)'s (name, ms) pairs -> ms per kernel
+  name (60 characters), largest first: the backward's dq / dk/dv split."""
+  out: dict[str, float] = {}
+  for name, ms in timings or []:
+    out[name[:60]] = out.get(name[:60], 0.0) + ms
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def _task(task):
   """Compile and warm one (shape, config); then time it and cuDNN under the lock."""
   what, dtype_name, D, T, causal, window, docs, config, iterations = task
@@ -301,6 +310,13 @@ def _task(task):
         t_ref = med(theirs[0], args_theirs) - med(theirs[1], args_theirs[:3])
     row.update(ms=t_ours, cudnn_ms=t_ref, tflops=flops / t_ours / 1e9,
                cudnn_tflops=flops / t_ref / 1e9, ratio=t_ref / t_ours)
+    if what == "bwd":
+      try:  # One call, kernel by kernel: where the backward's time goes.
+        with _LOCK:
+          _, timings = profiler.measure(ours, aggregate=False)(*args_ours)
+        row["kernels_ms"] = _by_kernel(timings)
+      except Exception as e:  # noqa: BLE001 - the row's timing stands without it
+        row["kernels_ms_error"] = f"{type(e).__name__}: {e}"[:200]
   except Exception as e:  # noqa: BLE001 - a failing config is a result too
     row.update(error=f"{type(e).__name__}: {e}"[:400],
                tb=traceback.format_exc()[-800:])
@@ -395,6 +411,10 @@ def main():
         print(f"| {row['D']} | {row['T']} | {int(row['causal'])} | {row['config']} | "
               f"{row['ms']:.3f} | {row['tflops']:.0f} | {row['cudnn_tflops']:.0f} | "
               f"{row['ratio']:.3f} |", flush=True)
+        if row.get("kernels_ms"):
+          print("    kernels: " + ", ".join(f"{k} {ms:.3f} ms"
+                                           for k, ms in row["kernels_ms"].items()),
+                flush=True)
   print(f"done in {time.time() - start:.0f} s", flush=True)
   return 0
 

@@ -149,3 +149,12 @@ def test_tune_ab_unknown_field():
   ab = _tune_ab_module()
   with pytest.raises(SystemExit, match="no_such"):
     ab.ab_table([_row(64, 1024, "off", 1.0, 1.0)], ["no_such"])
+
+
+def test_by_kernel_sums_time_per_kernel_name_largest_first():
+  tune = _tune_module()
+  split = tune._by_kernel([("dq_kernel", 1.0), ("delta_fusion", 0.1),
+                           ("dkv_kernel", 2.0), ("dq_kernel", 0.5)])
+  assert list(split) == ["dkv_kernel", "dq_kernel", "delta_fusion"]
+  assert split["dq_kernel"] == pytest.approx(1.5)
+  assert tune._by_kernel(None) == {}
