@@ -5,7 +5,8 @@
 #     cuDNN from the same seed, then one checkpoint under both and their steps side by side
 #     (scripts/gpu_train.sh).
 #   - No GPU: a tiny model on the XLA path (the same program), in under two minutes on 2 cores.
-# Extra arguments go to the trainer (python -m examples.train_gpt --help).
+# Extra arguments go to the trainer (python -m examples.train_gpt --help); on a Hopper GPU
+# to every command of scripts/gpu_train.sh (both runs, crosscheck, speed), word-split.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -26,7 +27,9 @@ if "$py" -c 'from flash3._device import hopper_device_kind as h; raise SystemExi
   out=runs/demo-h200
   rm -rf "$out"
   start=$(date +%s)
-  PY="$py" OUT="$out" EXTRA_ARGS="$*" bash scripts/gpu_train.sh
+  # Only what the demo sets: the script's dry-run knobs must not leak in from the shell.
+  env -u PRESET -u OTHER -u FLASH3_FLAGS -u TRAIN_WORK PY="$py" OUT="$out" \
+    EXTRA_ARGS="$*" bash scripts/gpu_train.sh
   echo "flash3 demo: finished in $(( $(date +%s) - start )) s; see $out/compare.png," \
        "$out/compare.md, $out/crosscheck.md and $out/speed.md" >&2
   exit 0

@@ -15,6 +15,7 @@
 # (STEPS steps, packed documents), train_speed (their steps timed side by side),
 # train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
 # train_script (scripts/gpu_train.sh end to end: what make demo runs on a Hopper GPU),
+# hlo_calls (custom calls in the train step before and after XLA's optimizations),
 # mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2
 # (config sweeps, each into $OUT/r/<stage>/; TUNE_ARGS adds scripts/tune.py arguments,
@@ -95,6 +96,9 @@ run_stage() {  # run_stage NAME GPU
       # compare, crosscheck, speed), into $OUT/r/train_script
       stage train_script ${TRAIN_SCRIPT_BUDGET:-420} "$g" env OUT="$R/train_script" \
         STEPS="$STEPS" PY=python3 bash scripts/gpu_train.sh ;;
+    hlo_calls)  # custom calls in the h200 train step before / after XLA (a duplicated forward?)
+      stage hlo_calls ${HLO_BUDGET:-150} "$g" python3 scripts/hlo_calls.py --preset h200 \
+        --impls flash3,cudnn --flash3-kernels-only ;;
     train_crosscheck)  # train_flash3's checkpoint: held-out loss under each attention path
       stage train_crosscheck ${CROSSCHECK_BUDGET:-150} "$g" python3 -m examples.train_gpt.crosscheck \
         --preset h200 --flash3-kernels-only --seed 0 --out "$R/train/flash3" \

@@ -8,7 +8,8 @@
 # final checkpoint evaluated with flash3, cuDNN and XLA: the exact loss check, since two
 # runs drift apart); speed.md (the two train steps timed side by side, SPEED_ROUNDS rounds
 # in flipped order: the per-step comparison separate runs are too noisy for).
-# Checkpoints (about 1 GB each) stay in $WORK, not in $OUT.
+# Checkpoints (about 1 GB each) go to $TRAIN_WORK (default: a temporary folder, removed
+# at the end), not to $OUT.
 #
 # flash3 runs with implementation="mosaic" (--flash3-kernels-only) so that it fails rather
 # than quietly timing the XLA path. A small probe first asks whether flash3's kernels and
@@ -25,8 +26,12 @@ OUT=${OUT:-runs/gpu_train}
 STEPS=${STEPS:-300}
 PRESET=${PRESET:-h200}
 OTHER=${OTHER:-cudnn}
+if [ "$OTHER" = flash3 ]; then echo "OTHER=flash3: pick cudnn or xla (flash3 is the first run)" >&2; exit 2; fi
 FLASH3_FLAGS=${FLASH3_FLAGS---flash3-kernels-only}
-WORK=${WORK:-$(mktemp -d)}
+if [ -z "${TRAIN_WORK:-}" ]; then
+  TRAIN_WORK=$(mktemp -d)
+  trap 'rm -rf "$TRAIN_WORK"' EXIT  # about 2 GB of checkpoints
+fi
 PY=${PY:-python3}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
@@ -40,33 +45,41 @@ train() {  # train ATTENTION [flags...]
   echo "== $impl: --attention $impl $*" | tee "$OUT/$impl/train.txt"
   # shellcheck disable=SC2086
   "$PY" -m examples.train_gpt "${common[@]}" --attention "$impl" --steps "$STEPS" \
-      --out "$WORK/$impl" --no-progress "$@" ${EXTRA_ARGS:-} 2>&1 | tee -a "$OUT/$impl/train.txt"
+      --out "$TRAIN_WORK/$impl" --no-progress "$@" ${EXTRA_ARGS:-} 2>&1 | tee -a "$OUT/$impl/train.txt"
   local rc=${PIPESTATUS[0]}
-  cp "$WORK/$impl/log.json" "$WORK/$impl/loss.png" "$OUT/$impl/" 2>/dev/null
+  cp "$TRAIN_WORK/$impl/log.json" "$TRAIN_WORK/$impl/loss.png" "$OUT/$impl/" 2>/dev/null
   return "$rc"
 }
 
 "$PY" -c 'import jax; print(jax.devices())' | tee "$OUT/devices.txt"
 # Packed documents for both runs only if both kernels take segment ids (a small probe).
-probe=$("$PY" -m examples.train_gpt.probe flash3 2>&1 | tail -1; "$PY" -m examples.train_gpt.probe "$OTHER" 2>&1 | tail -1)
-echo "$probe" | tee "$OUT/probe.txt"
-if ! echo "$probe" | grep -q ": no"; then
+# The probes' exit status decides (a crash counts as "no"); their last lines say why.
+probe_ok=1
+probe=""
+for impl in flash3 "$OTHER"; do
+  # pipefail (set above) reaches into $(...): a failing probe fails the assignment.
+  line=$("$PY" -m examples.train_gpt.probe "$impl" 2>&1 | tail -1) || probe_ok=0
+  probe="$probe$line"$'\n'
+done
+echo -n "$probe" | tee "$OUT/probe.txt"
+if [ "$probe_ok" = 1 ]; then
   note="both runs with packed documents (segment ids)"
   seg=()
 else
-  note="both runs WITHOUT segment ids (attention crosses document boundaries): $(echo "$probe" | grep ': no' | cut -c1-200)"
+  note="both runs WITHOUT segment ids (attention crosses document boundaries): $(echo "$probe" | grep -v ': yes' | cut -c1-200)"
   seg=(--no-segments)
 fi
 echo "== $note" >&2
 train flash3 "${f3[@]}" "${seg[@]}" && train "$OTHER" "${seg[@]}" \
   || { echo "== training failed; see $OUT/*/train.txt" >&2; exit 1; }
-"$PY" -m examples.train_gpt.compare "$OUT/flash3/log.json" "$OUT/$OTHER/log.json" --out "$OUT"
+"$PY" -m examples.train_gpt.compare "$OUT/flash3/log.json" "$OUT/$OTHER/log.json" --out "$OUT" \
+  || exit 1
 echo "$note" | tee -a "$OUT/compare.md"
 impls=flash3,$OTHER
 [ "$OTHER" = xla ] || impls=$impls,xla
 # shellcheck disable=SC2086
 "$PY" -m examples.train_gpt.crosscheck "${common[@]}" "${f3[@]}" "${seg[@]}" ${EXTRA_ARGS:-} \
-    --out "$WORK/flash3" --impls "$impls" --json "$OUT/crosscheck.json" \
+    --out "$TRAIN_WORK/flash3" --impls "$impls" --json "$OUT/crosscheck.json" \
     | tee "$OUT/crosscheck.md" || exit 1
 # shellcheck disable=SC2086
 "$PY" -m examples.train_gpt.speed "${common[@]}" "${f3[@]}" "${seg[@]}" ${EXTRA_ARGS:-} \

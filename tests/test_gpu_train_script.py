@@ -22,7 +22,7 @@ TINY = ("--num-layers 1 --num-heads 2 --num-kv-heads 1 --head-dim 64 --mlp-dim 1
 
 def test_gpu_train_script_dry_run_on_cpu(tmp_path):
   out, work = tmp_path / "out", tmp_path / "work"
-  env = {**os.environ, "OUT": str(out), "WORK": str(work), "PRESET": "cpu",
+  env = {**os.environ, "OUT": str(out), "TRAIN_WORK": str(work), "PRESET": "cpu",
          "OTHER": "xla", "FLASH3_FLAGS": "", "STEPS": "3", "SPEED_ROUNDS": "2",
          "PY": sys.executable, "EXTRA_ARGS": TINY, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=env,
@@ -45,3 +45,13 @@ def test_gpu_train_script_dry_run_on_cpu(tmp_path):
   speed = json.loads((out / "speed.json").read_text())
   assert [r["attention"] for r in speed["results"]] == ["flash3", "xla"]
   assert speed["timed_rounds"] == 2
+  # The checkpoints stayed in TRAIN_WORK (given, so kept), not in OUT.
+  assert (work / "flash3" / "checkpoint.npz").exists()
+  assert not list(out.rglob("*.npz"))
+
+
+def test_gpu_train_script_refuses_flash3_against_itself(tmp_path):
+  env = {**os.environ, "OUT": str(tmp_path), "OTHER": "flash3"}
+  proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train.sh")], env=env,
+                        cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "OTHER=flash3" in proc.stderr

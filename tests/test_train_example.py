@@ -145,6 +145,11 @@ def test_crosscheck_evaluates_one_checkpoint_with_each_path(tmp_path, capsys):
   assert rows["xla"]["diff_vs_first"] == 0.0 and len(rows["xla"]["per_batch"]) == 2
   assert 0 < rows["flash3"]["heldout_loss"] < 6
   assert abs(rows["flash3"]["diff_vs_first"]) < 1e-3
+  # The gradients: identical to themselves, and flash3's XLA path close to XLA's.
+  assert rows["xla"]["grad_rel_diff_vs_first"] == 0.0
+  assert rows["xla"]["grad_cosine_vs_first"] == pytest.approx(1.0)
+  assert 0 < rows["flash3"]["grad_rel_diff_vs_first"] < 0.05
+  assert rows["flash3"]["grad_cosine_vs_first"] > 0.999
   assert "| flash3 |" in capsys.readouterr().out
 
 
@@ -273,7 +278,20 @@ def test_resume_without_a_checkpoint_says_so_and_share_has_an_interval(tmp_path,
   assert [r["step"] for r in log["steps"]] == [1, 2]
   at = log["summary"]["attention_time"]
   lo, hi = at["attention_share_ci95"]
-  assert lo <= hi < 1
+  assert lo <= at["attention_share"] <= hi < 1
+
+
+def test_attention_share_and_its_interval_from_paired_rounds():
+  rng = np.random.default_rng(0)
+  drift = 1.0 + 0.3 * rng.random(40)  # load that hits both steps of a round alike
+  full = list(0.100 * drift * (1 + 0.01 * rng.standard_normal(40)))
+  replaced = list(0.068 * drift * (1 + 0.01 * rng.standard_normal(40)))
+  share, lo, hi = train_lib.attention_share(full, replaced)
+  assert share == pytest.approx(0.32, abs=0.01)
+  assert 0 < lo <= share <= hi < 0.34
+  # No difference: the interval reaches 0.
+  _, lo, hi = train_lib.attention_share(full, full)
+  assert lo <= 0 <= hi
 
 
 def test_compare_names_two_runs_of_one_path_by_folder_and_shows_noise():
@@ -281,6 +299,9 @@ def test_compare_names_two_runs_of_one_path_by_folder_and_shows_noise():
   logs = [{"name": "flash3"}, {"name": "flash3"}]
   compare.name_runs(logs, ["/x/run1/log.json", "/x/run2/log.json"])
   assert [g["name"] for g in logs] == ["flash3 (run1)", "flash3 (run2)"]
+  same = [{"name": "flash3"}, {"name": "flash3"}]
+  compare.name_runs(same, ["/x/flash3-log.json", "/x/flash3-rerun-log.json"])
+  assert [g["name"] for g in same] == ["flash3 (flash3-log)", "flash3 (flash3-rerun-log)"]
   other = [{"name": "flash3"}, {"name": "cudnn"}]
   compare.name_runs(other, ["/x/a/log.json", "/x/b/log.json"])
   assert [g["name"] for g in other] == ["flash3", "cudnn"]

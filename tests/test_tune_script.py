@@ -158,3 +158,15 @@ def test_by_kernel_sums_time_per_kernel_name_largest_first():
   assert list(split) == ["dkv_kernel", "dq_kernel", "delta_fusion"]
   assert split["dq_kernel"] == pytest.approx(1.5)
   assert tune._by_kernel(None) == {}
+
+
+def test_hlo_calls_counts_custom_call_targets():
+  pytest.importorskip("optax", reason="needs the examples extra")
+  hlo_calls = _script_module("hlo_calls")
+  mlir = ('%0 = stablehlo.custom_call @mosaic_gpu_v2(%a) : ...\n'
+          '%1 = stablehlo.custom_call @mosaic_gpu_v2(%b) : ...\n'
+          '%2 = stablehlo.custom_call @cudnn$fmha(%c)\n')
+  assert hlo_calls.stablehlo_targets(mlir) == {"mosaic_gpu_v2": 2, "cudnn$fmha": 1}
+  hlo = ('%cc = (bf16[2]) custom-call(%x), custom_call_target="mosaic_gpu_v2", api_version=\n'
+         '%cd = custom-call(%y), custom_call_target="__cudnn$fmhaSoftmax"\n')
+  assert hlo_calls.hlo_targets(hlo) == {"mosaic_gpu_v2": 1, "__cudnn$fmhaSoftmax": 1}

@@ -25,8 +25,12 @@ def load(path) -> dict:
 def name_runs(logs: list[dict], paths: list[str]) -> None:
   """Two runs of the same attention path are told apart by their folders."""
   if logs[0]["name"] == logs[1]["name"]:
-    for log, path in zip(logs, paths):
-      log["name"] = f"{log['name']} ({pathlib.Path(path).resolve().parent.name})"
+    paths = [pathlib.Path(x).resolve() for x in paths]
+    # The folders (run1/log.json, run2/log.json), or the files when they share one.
+    tags = ([x.parent.name for x in paths] if paths[0].parent != paths[1].parent
+            else [x.stem for x in paths])
+    for log, tag in zip(logs, tags):
+      log["name"] = f"{log['name']} ({tag})"
 
 
 def share_text(attention_time: dict) -> str:

@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each)")
   p.add_argument("--json", default=None, help="write the results to this JSON file")
   train_args, rest = p.parse_known_args(argv)
+  if any(a == "--out" or a.startswith("--out=") for a in rest):
+    p.error("--out: speed writes no run folder; --json FILE writes its results")
   args = train_lib.parse_args(rest)  # --preset, --seed, --no-segments, sizes, ...
   try:
     impls = attention_lib.parse_impls(train_args.impls)

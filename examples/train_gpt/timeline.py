@@ -23,9 +23,9 @@ import sys
 import jax
 import numpy as np
 
+from . import attention as attention_lib
 from . import data as data_lib
 from . import model as model_lib
-from . import speed as speed_lib
 from . import train as train_lib
 
 
@@ -116,7 +116,13 @@ def main(argv=None) -> dict:
   p.add_argument("--out", default="timeline", help="directory for traces and summary.json")
   own, rest = p.parse_known_args(argv)
   args = train_lib.parse_args(rest)
-  impls = speed_lib.parse_args(["--impls", own.impls] + rest).impls
+  try:
+    impls = attention_lib.parse_impls(own.impls)
+  except ValueError as e:
+    p.error(str(e))
+  platform = jax.devices()[0].platform
+  for impl in impls:
+    train_lib.check_attention_device(impl, platform, args.flash3_kernels_only)
   say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
   out = pathlib.Path(own.out)
   train_stream, _ = train_lib.load_data(args)

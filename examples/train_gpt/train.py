@@ -193,14 +193,20 @@ def measure_attention_share(config, optimizer, state, batch, steps: int) -> dict
               "attention_replaced": dataclasses.replace(config, attention="identity")}
   fns = {name: make_train_step(cfg, optimizer, donate=False) for name, cfg in variants.items()}
   times = time_alternately(fns, state, batch, steps)
-  full = float(np.median(times["with_attention"]))
-  replaced = float(np.median(times["attention_replaced"]))
-  # Per round replaced / full = 1 - share: its interval bounds the share's.
-  _, lo, hi = paired_speed(times["with_attention"], times["attention_replaced"])
-  return {"method": "1 - median t(step, attention replaced by o=q+k+v) / median t(step), "
-          "timed alternately", "step_s": full, "step_s_attention_replaced": replaced,
-          "attention_share": 1.0 - replaced / full,
-          "attention_share_ci95": [1.0 - hi, 1.0 - lo], "timed_steps": steps}
+  share, lo, hi = attention_share(times["with_attention"], times["attention_replaced"])
+  return {"method": "1 - median over rounds of t(step, attention replaced by o=q+k+v) / "
+          "t(step), timed alternately",
+          "step_s": float(np.median(times["with_attention"])),
+          "step_s_attention_replaced": float(np.median(times["attention_replaced"])),
+          "attention_share": share, "attention_share_ci95": [lo, hi], "timed_steps": steps}
+
+
+def attention_share(full: list[float], replaced: list[float]) -> tuple[float, float, float]:
+  """(share, 95% low, 95% high) of a step's time in attention, from rounds timed
+  in pairs: per round replaced / full = 1 - share (``paired_speed``'s ratio
+  base / other with base = replaced)."""
+  paired, lo, hi = paired_speed(replaced, full)
+  return 1.0 - paired, 1.0 - hi, 1.0 - lo
 
 
 def evaluate(eval_fn, params, batches) -> float:

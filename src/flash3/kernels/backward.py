@@ -506,7 +506,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   extra = ((*lengths,) if lengths is not None else ()) + (
       (*segments,) if segments is not None else ())
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
     extra_refs, rest = rest[:len(extra)], rest[len(extra):]
     (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
      staging2, q_bars, do_bars, lse_bars, delta_bars,
@@ -664,7 +664,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
   return plgpu.kernel(
-      kernel,
+      dq_kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=scratch,
       grid=(num_heads, num_q_tiles, batch),
@@ -727,7 +727,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   # (B, kv tiles * warpgroups, Tq, N, D) (tiles it skips stay 0).
   dq_refs = {}
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
     extra_refs, rest = rest[:len(extra)], rest[len(extra):]
     out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
@@ -1023,7 +1023,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   ]
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in outputs]
   call = plgpu.kernel(
-      kernel,
+      dkv_kernel,
       out_type=out_type,
       scratch_types=scratch,
       grid=(num_kv_heads, num_kv_tiles, batch),

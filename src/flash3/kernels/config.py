@@ -339,10 +339,10 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   if (64 < head_dim <= 128 and not mask.causal and not windowed and not packed
       and kv_len >= 8192):
     # 192-key tiles (two ring slots fit once Pallas's reduction scratch is
-    # gone): non-causal D=128 ran 2.6% faster at T=16384 and 1.2% at 8192
-    # (twice each), 0.6% slower at 4096 (thirteenth session, docs/benchmarks/
-    # h200/2026-12-02-s13/tune.md). A causal diagonal cuts them badly (no
-    # half tiles of 96 keys): -16% at T=4096.
+    # gone): non-causal D=128 ran 2.6% faster at T=16384 (twice), 1.2% at
+    # 8192 (once), 0.6-1.1% slower at 4096 (three times) (thirteenth session,
+    # docs/benchmarks/h200/2026-12-02-s13/tune.md). A causal diagonal cuts
+    # them badly (no half tiles of 96 keys): -18% at T=4096.
     block_kv = 192
   # Never ring more tiles than there are keys.
   tiles = max(1, -(-kv_len // block_kv))
