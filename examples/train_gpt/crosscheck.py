@@ -45,12 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="comma-separated attention implementations, the first is the "
                       f"baseline (from {', '.join(attention_lib.IMPLEMENTATIONS)})")
   p.add_argument("--json", default=None, help="write the results to this JSON file")
-  own, rest = p.parse_known_args(argv)
-  args = train_lib.parse_args(rest)
-  try:
-    impls = attention_lib.parse_impls(own.impls)
-  except ValueError as e:
-    p.error(str(e))
+  own, args, impls = train_lib.parse_with_impls(p, argv)
   args.impls, args.json_out = impls, own.json
   return args
 

@@ -45,14 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       f"baseline of the ratios (from {', '.join(attention_lib.IMPLEMENTATIONS)})")
   p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each)")
   p.add_argument("--json", default=None, help="write the results to this JSON file")
-  train_args, rest = p.parse_known_args(argv)
+  _, rest = p.parse_known_args(argv)
   if any(a == "--out" or a.startswith("--out=") for a in rest):
     p.error("--out: speed writes no run folder; --json FILE writes its results")
-  args = train_lib.parse_args(rest)  # --preset, --seed, --no-segments, sizes, ...
-  try:
-    impls = attention_lib.parse_impls(train_args.impls)
-  except ValueError as e:
-    p.error(str(e))
+  # --preset, --seed, --no-segments, sizes, ... are the trainer's.
+  train_args, args, impls = train_lib.parse_with_impls(p, argv)
   if train_args.steps < 1:
     p.error(f"--steps {train_args.steps}: must be >= 1")
   args.impls, args.timed_steps, args.json_out = impls, train_args.steps, train_args.json

@@ -23,7 +23,6 @@ import sys
 import jax
 import numpy as np
 
-from . import attention as attention_lib
 from . import data as data_lib
 from . import model as model_lib
 from . import train as train_lib
@@ -114,12 +113,7 @@ def main(argv=None) -> dict:
   p.add_argument("--impls", default="flash3,cudnn")
   p.add_argument("--steps", type=int, default=3, help="traced steps per implementation")
   p.add_argument("--out", default="timeline", help="directory for traces and summary.json")
-  own, rest = p.parse_known_args(argv)
-  args = train_lib.parse_args(rest)
-  try:
-    impls = attention_lib.parse_impls(own.impls)
-  except ValueError as e:
-    p.error(str(e))
+  own, args, impls = train_lib.parse_with_impls(p, argv)
   platform = jax.devices()[0].platform
   for impl in impls:
     train_lib.check_attention_device(impl, platform, args.flash3_kernels_only)

@@ -84,6 +84,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def parse_with_impls(p: argparse.ArgumentParser, argv=None):
+  """A tool's own flags (``p``, which has --impls) and the trainer's (the rest):
+  (own, trainer args, implementations); a bad --impls ends in ``p.error``."""
+  own, rest = p.parse_known_args(argv)
+  args = parse_args(rest)
+  try:
+    impls = attention_lib.parse_impls(own.impls)
+  except ValueError as e:
+    p.error(str(e))
+  return own, args, impls
+
+
 MIN_DOC_BYTES = 256  # Shorter files are skipped (see data.stdlib_files).
 
 
