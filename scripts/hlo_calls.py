@@ -9,18 +9,29 @@ CUDA on a CPU, holds one forward call per layer. This prints, per implementation
 custom calls by target in the lowered StableHLO (what JAX emits) and in the optimized
 HLO (what XLA runs), so a duplicate made by XLA shows as a higher count after. With
 --out the optimized HLO text is written there. Needs a GPU for the optimized HLO.
+
+--where lists each call of --target in the optimized HLO with the computation holding
+it (a while body, the entry). --passes DIR dumps the HLO after every XLA pass into DIR
+(XLA_FLAGS, so it must come before jax starts) and prints the passes after which the
+count of --target changes: the pass that made a duplicate.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import pathlib
 import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+if "--passes" in sys.argv:  # XLA reads its flags once, when jax starts its backend
+  _dump = sys.argv[sys.argv.index("--passes") + 1]
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={_dump}"
+                             " --xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*step.*")
 
 import jax  # noqa: E402
 
@@ -40,11 +51,45 @@ def hlo_targets(text: str) -> collections.Counter:
   return collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
 
 
+def calls_by_computation(text: str, target: str) -> list[tuple[str, str]]:
+  """(computation, instruction) of every custom call to ``target`` in HLO text."""
+  found, computation = [], "?"
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      computation = head.group(1)
+    elif f'custom_call_target="{target}"' in line:
+      name = re.match(r"\s*(?:ROOT )?%?([\w.-]+) =", line)
+      found.append((computation, name.group(1) if name else "?"))
+  return found
+
+
+def pass_changes(folder: pathlib.Path, target: str) -> list[tuple[str, int, int]]:
+  """(pass, count before, count after) wherever the count of ``target`` calls changes
+  from one dumped pass to the next, in the order XLA ran them."""
+  dumped = []
+  for f in folder.glob("*.txt"):
+    m = re.search(r"\.(\d{4})\.[\w-]+\.after_(.+?)\.before_", f.name)
+    if m:
+      dumped.append((int(m.group(1)), m.group(2), f))
+  changes, last = [], None
+  for _, name, f in sorted(dumped):
+    n = f.read_text().count(f'custom_call_target="{target}"')
+    if last is not None and n != last:
+      changes.append((name, last, n))
+    last = n
+  return changes
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--impls", default="flash3,cudnn")
   p.add_argument("--out", default=None, help="folder for the optimized HLO text")
+  p.add_argument("--target", default="mosaic_gpu_v2", help="custom call for --where/--passes")
+  p.add_argument("--where", action="store_true", help="list where each --target call is")
+  p.add_argument("--passes", default=None, metavar="DIR",
+                 help="dump HLO after every pass into DIR; print where --target's count changes")
   own, rest = p.parse_known_args(argv)
   impls = attention_lib.parse_impls(own.impls)
   args = train_lib.parse_args(rest)
@@ -63,12 +108,17 @@ def main(argv=None) -> dict:
       text = lowered.compile().as_text()
       row["optimized"] = dict(hlo_targets(text))
       row["while_loops"] = len(re.findall(r"\bwhile\(", text))
+      if own.where:
+        row["where"] = calls_by_computation(text, own.target)
       if own.out:
         out = pathlib.Path(own.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{impl}.hlo.txt").write_text(text)
     result[impl] = row
     print(f"{impl}: {row}", flush=True)
+  if own.passes:
+    for name, before, after in pass_changes(pathlib.Path(own.passes), own.target):
+      print(f"after pass {name}: {own.target} {before} -> {after}", flush=True)
   return result
 
 

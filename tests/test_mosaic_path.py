@@ -310,3 +310,42 @@ def test_interpret_kernels_warns_once_on_a_small_host(monkeypatch):
     warnings.simplefilter("error")
     with flash3.interpret_kernels():  # once only
       pass
+
+
+def _scanned_train_step(B=1, T=128, N=4, K=2, D=64, layers=3):
+  """grad of a scan over layers with flash3 attention: the residuals o and lse are
+  stacked over layers by dynamic-update-slice, the shape of a real training step."""
+  def layer(x, w):
+    q = (x * w).reshape(B, T, N, D).astype(jnp.bfloat16)
+    o = flash3.dot_product_attention(q, q[:, :, :K], q[:, :, K:], is_causal=True,
+                                     implementation="mosaic")
+    return x + o.reshape(x.shape).astype(x.dtype), None
+  def loss(ws, x):
+    return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+  return jax.jit(jax.grad(loss)), (jnp.ones((layers, B, T, N * D)) * 0.1,
+                                   jnp.ones((B, T, N * D)))
+
+
+def test_forward_call_is_behind_a_barrier_in_the_lowering(monkeypatch):
+  """The kernel's o and lse pass an optimization barrier before any other use, so
+  XLA cannot clone the call into the residuals' dynamic-update-slice (see
+  test_gpu_scanned_step_launches_forward_once for the effect)."""
+  from flash3 import _dispatch
+  monkeypatch.setattr(_dispatch, "why_not_hopper", lambda: None)
+  step, args = _scanned_train_step()
+  text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu_v2") == 3  # forward, dq, dk/dv
+  # One barrier, over the forward's o (B, T, K, G, D) and lse (B, K, G, T).
+  barriers = re.findall(r"stablehlo.optimization_barrier .* : (.*)", text)
+  assert barriers == ["tensor<1x128x2x2x64xbf16>, tensor<1x2x2x128xf32>"]
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+def test_gpu_scanned_step_launches_forward_once():
+  """After XLA's optimizations the step still holds one forward call (plus dq and
+  dk/dv): without the barrier, jax 0.11.2's XLA held two, both run every layer."""
+  step, args = _scanned_train_step()
+  hlo = step.lower(*args).compile().as_text()
+  assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
+  grads = step(*args)
+  assert np.isfinite(np.asarray(grads)).all()

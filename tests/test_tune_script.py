@@ -170,3 +170,19 @@ def test_hlo_calls_counts_custom_call_targets():
   hlo = ('%cc = (bf16[2]) custom-call(%x), custom_call_target="mosaic_gpu_v2", api_version=\n'
          '%cd = custom-call(%y), custom_call_target="__cudnn$fmhaSoftmax"\n')
   assert hlo_calls.hlo_targets(hlo) == {"mosaic_gpu_v2": 1, "__cudnn$fmhaSoftmax": 1}
+
+
+def test_hlo_calls_locates_calls_and_the_pass_that_adds_one(tmp_path):
+  pytest.importorskip("optax", reason="needs the examples extra")
+  hlo_calls = _script_module("hlo_calls")
+  call = '  %{} = (bf16[2]) custom-call(%x), custom_call_target="mosaic_gpu_v2"\n'
+  hlo = ("%body.1 (p: (s32[])) -> (s32[]) {\n" + call.format("fwd") + "}\n"
+         "%body.2 (p: (s32[])) -> (s32[]) {\n" + call.format("fwd.remat") + call.format("dq")
+         + "}\nENTRY %main.3 (a: f32[2]) -> f32[2] {\n  ROOT %w = while(%a)\n}\n")
+  assert hlo_calls.calls_by_computation(hlo, "mosaic_gpu_v2") == [
+      ("body.1", "fwd"), ("body.2", "fwd.remat"), ("body.2", "dq")]
+  for step, name, n in [(0, "start", 2), (1, "cse", 2), (2, "rematerialization", 3),
+                        (10, "copy-insertion", 3)]:
+    (tmp_path / f"module_0001.jit_step.{step:04d}.gpu.after_{name}.before_x.txt").write_text(
+        call * n)
+  assert hlo_calls.pass_changes(tmp_path, "mosaic_gpu_v2") == [("rematerialization", 2, 3)]

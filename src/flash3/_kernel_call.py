@@ -174,6 +174,12 @@ def _forward(q, k, v, extras: Extras, static: KernelArgs):
   K = k.shape[2]
   names, values = _flat_extras(extras, K)
   o5, lse = _forward_call(static, names)(sharding.split_heads(q, K), k, v, *values)
+  # Under a scan over layers, o and lse are also stacked as residuals with a
+  # dynamic-update-slice. XLA's dynamic-slice fusion (jax 0.11.2) then fuses a copy of
+  # the kernel call into that update and keeps the original for o's other users: the
+  # forward ran twice per layer (docs/training.md). The barrier hides the call from
+  # that pattern; it costs nothing at run time.
+  o5, lse = jax.lax.optimization_barrier((o5, lse))
   B, T, N = q.shape[0], q.shape[1], q.shape[2]
   o, lse = sharding.merge_heads(o5), lse.reshape(B, N, T)
   return (o, lse), (q, k, v, extras, o, lse)
