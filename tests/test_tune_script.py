@@ -186,3 +186,67 @@ def test_hlo_calls_locates_calls_and_the_pass_that_adds_one(tmp_path):
     (tmp_path / f"module_0001.jit_step.{step:04d}.gpu.after_{name}.before_x.txt").write_text(
         call * n)
   assert hlo_calls.pass_changes(tmp_path, "mosaic_gpu_v2") == [("rematerialization", 2, 3)]
+
+
+class _RecordingLock:
+  def __init__(self):
+    self.held, self.entered = False, 0
+
+  def __enter__(self):
+    self.held, self.entered = True, self.entered + 1
+
+  def __exit__(self, *exc):
+    self.held = False
+
+
+@pytest.mark.parametrize("what", ["fwd", "bwd"])
+def test_tune_task_runs_on_the_device_only_under_the_lock(monkeypatch, what):
+  """Inputs, the backward's forward and every timed call happen while the lock is held
+  (another worker's unlocked GPU work would land in this one's timing); compiling
+  happens before it. The kernels, cuDNN and CUPTI are stand-ins, so this runs on a CPU."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+  from flash3.kernels import backward, forward
+  tune = _tune_module()
+  lock = _RecordingLock()
+  monkeypatch.setattr(tune, "_LOCK", lock)
+  ran = []
+
+  def on_device(name):
+    ran.append((name, lock.held))
+
+  def fake_forward(q, k, v, *, scale, mask, config=None, **seg):
+    jax.debug.callback(lambda: on_device("forward"))
+    B, T, N, _ = q.shape
+    return q * scale, jnp.zeros((B, N, T), jnp.float32)
+
+  def fake_backward(q, k, v, o, lse, do, *, scale, mask, config=None, **seg):
+    jax.debug.callback(lambda: on_device("backward"))
+    return q + do, k, v
+
+  def fake_measure(f, iterations=None, aggregate=True):
+    def run(*args):
+      out = f(*args)
+      # A time of one ms per argument tells the calls apart: the backward's 6, cuDNN's
+      # forward+backward 4 and forward 3.
+      ms = float(len(args))
+      return out, ([ms, ms] if aggregate else [("dkv_kernel", 0.6), ("dq_kernel", 0.4)])
+    return run
+
+  real_normal = jax.random.normal
+  monkeypatch.setattr(jax.random, "normal",
+                      lambda *a: (on_device("inputs"), real_normal(*a))[1])
+  monkeypatch.setattr(forward, "attention_forward", fake_forward)
+  monkeypatch.setattr(backward, "attention_backward", fake_backward)
+  monkeypatch.setattr(profiler, "measure", fake_measure)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: q)
+  row = tune._task((what, "bfloat16", 64, 128, False, None, None, None, 2))
+  assert "error" not in row, row.get("tb")
+  assert row["ratio"] == pytest.approx(1.0 if what == "fwd" else (4 - 3) / 6)
+  names = {name for name, _ in ran}
+  assert names == ({"inputs", "forward"} if what == "fwd" else
+                   {"inputs", "forward", "backward"})
+  assert all(held for _, held in ran), ran
+  if what == "bwd":
+    assert row["kernels_ms"] == {"dkv_kernel": 0.6, "dq_kernel": 0.4}
