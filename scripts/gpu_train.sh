@@ -14,9 +14,8 @@
 # flash3 runs with implementation="mosaic" (--flash3-kernels-only) so that it fails rather
 # than quietly timing the XLA path. A small probe first asks whether flash3's kernels and
 # the other path both take packed documents (segment ids); if either does not, both runs go
-# without segment ids, and compare.md says so. Takes about 5 minutes on an H200 (its
-# parts, timed apart: 80 + 55 s of training, 24 s crosscheck, 70 s speed); lower STEPS if
-# needed. EXTRA_ARGS (word-split) go last to every run, e.g. EXTRA_ARGS="--batch-size 4".
+# without segment ids, and compare.md says so. Takes about 5 minutes on an H200 (291-295
+# s in two runs, 2026-12-02); lower STEPS if needed. EXTRA_ARGS (word-split) go last to every run, e.g. EXTRA_ARGS="--batch-size 4".
 # PY picks the interpreter (default python3).
 # For a dry run without a GPU (tests/test_gpu_train_script.py): PRESET=cpu OTHER=xla
 # FLASH3_FLAGS="" (flash3 then takes its XLA path).
