@@ -96,9 +96,9 @@ run_stage() {  # run_stage NAME GPU
       # compare, crosscheck, speed), into $OUT/r/train_script
       stage train_script ${TRAIN_SCRIPT_BUDGET:-420} "$g" env OUT="$R/train_script" \
         STEPS="$STEPS" PY=python3 bash scripts/gpu_train.sh ;;
-    hlo_calls)  # custom calls in the h200 train step before / after XLA (a duplicated forward?)
+    hlo_calls)  # custom calls in the h200 train step before / after XLA, and where (3 for flash3)
       stage hlo_calls ${HLO_BUDGET:-150} "$g" python3 scripts/hlo_calls.py --preset h200 \
-        --impls flash3,cudnn --flash3-kernels-only ;;
+        --impls flash3,cudnn --flash3-kernels-only --where ;;
     train_crosscheck)  # train_flash3's checkpoint: held-out loss under each attention path
       stage train_crosscheck ${CROSSCHECK_BUDGET:-150} "$g" python3 -m examples.train_gpt.crosscheck \
         --preset h200 --flash3-kernels-only --seed 0 --out "$R/train/flash3" \
