@@ -281,7 +281,7 @@ def _task(task):
           q, k, v, scale=scale, mask=mask, **seg))
       ours = jax.jit(lambda q, k, v, o, lse, do: attention_backward(
           q, k, v, o, lse, do, scale=scale, mask=mask, config=config, **seg))
-      args_ours = (q, k, v) + jax.eval_shape(forward, q, k, v) + (do,)
+      args_ours = (q, k, v) + tuple(jax.eval_shape(forward, q, k, v)) + (do,)
 
       def cudnn_fwd(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
