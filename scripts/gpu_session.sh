@@ -10,7 +10,8 @@
 #     bash scripts/gpu_session.sh
 # Stages: tests (kernel GPU tests of $TEST_ARGS, pytest-xdist; TEST_K="..." selects
 # with -k), api (tests/test_mosaic_path.py),
-# serial (the T=131072 memory test), racecheck, drain (scripts/bench_drain.py),
+# serial (the T=131072 memory test), racecheck (RACECHECK_ARGS="--only role_split"
+# for that group alone), drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
 # (STEPS steps, packed documents), train_speed (their steps timed side by side),
 # train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
@@ -72,7 +73,7 @@ run_stage() {  # run_stage NAME GPU
     serial) FLASH3_RESULTS_DIR="$R" XLA_PYTHON_CLIENT_PREALLOCATE=false stage serial 150 "$g" \
               python3 -m pytest -q -s -p no:cacheprovider -m "gpu and serial" -rfE tests ;;
     racecheck) stage racecheck ${RACECHECK_BUDGET:-180} "$g" compute-sanitizer --tool racecheck --print-limit 20 \
-                 python3 scripts/racecheck.py ;;
+                 python3 scripts/racecheck.py ${RACECHECK_ARGS:-} ;;
     drain) stage drain ${DRAIN_BUDGET:-200} "$g" python3 scripts/bench_drain.py \
              --time-budget $(( ${DRAIN_BUDGET:-200} - 20 )) --jobs 8 --out "$R/drain" ;;
     # shellcheck disable=SC2086

@@ -8,12 +8,45 @@ causal D=64's default (256-key tiles, a 2-slot ring that wraps, persistent),
 the forward with overlapped softmax (grid, persistent), the other ping-pong modes, exp2 on the FMA pipes,
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
 and both backwards in the plain matmul order (overlap_matmuls=False); last, D=128's
-192-key tiles (its non-causal default for long keys).
+192-key tiles (its non-causal default for long keys), and the dk/dv kernel split
+by role (``BackwardConfig.role_split``) at D = 64 and 256 with lengths, segments
+and a soft cap.
+
+``--only role_split`` runs that last group alone (a kernel new since the last
+full run, checked in a short device call).
 """
+import sys
+
 import jax
 import jax.numpy as jnp
 
 import flash3
+from flash3.kernels.backward import BackwardConfig, attention_backward
+from flash3.visibility import MaskSpec
+
+
+def role_split_cases():
+  """The dk/dv kernel's warpgroups split by role: pT handed over per ring slot
+  (300 queries: 5 tiles and 2 heads of a GQA group wrap a 2-slot ring)."""
+  keys = jax.random.split(jax.random.key(1), 4)
+  for d in (64, 256):
+    qr = jax.random.normal(keys[0], (1, 300, 2, d), jnp.bfloat16)
+    kr, vr = (jax.random.normal(kk, (1, 200, 1, d), jnp.bfloat16) for kk in keys[1:3])
+    ids = jnp.repeat(jnp.arange(3), 100)[None]
+    config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
+                            num_stages=2, role_split=True)
+    grads = attention_backward(
+        qr, kr, vr, qr, jnp.zeros((1, 2, 300), jnp.float32), qr, scale=0.1,
+        mask=MaskSpec(causal=True, alignment="bottom_right"), config=config,
+        q_lengths=jnp.array([290], jnp.int32), kv_lengths=jnp.array([180], jnp.int32),
+        q_segment_ids=ids, kv_segment_ids=ids[:, :200], softcap=20.0)
+    print(f"role-split dk/dv, D={d}: finite "
+          f"{all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)}")
+
+
+if sys.argv[1:] == ["--only", "role_split"]:
+  role_split_cases()
+  sys.exit(0)
 
 ks = jax.random.split(jax.random.key(0), 3)
 q = jax.random.normal(ks[0], (1, 192, 2, 64), jnp.bfloat16)
@@ -42,7 +75,6 @@ for name, kw in calls.items():
 # the K/V ring and the q/o staging run on across items.
 from flash3.kernels.config import ForwardConfig, forward_config  # noqa: E402
 from flash3.kernels.forward import attention_forward  # noqa: E402
-from flash3.visibility import MaskSpec  # noqa: E402
 
 for name, mask in {"persistent plain": MaskSpec(),
                    "persistent causal": MaskSpec(causal=True, alignment="bottom_right")}.items():
@@ -97,7 +129,6 @@ print(f"exp2 on FMA: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 # The single-kernel backward (opt-in, BackwardConfig(deterministic=False)): dq by
 # TMA reduce-add from the dk/dv kernel.
-from flash3.kernels.backward import BackwardConfig, attention_backward  # noqa: E402
 
 mask = MaskSpec(causal=True, alignment="bottom_right")
 o, lse = attention_forward(q, k, v, scale=0.125, mask=mask)
@@ -154,3 +185,5 @@ o, lse = attention_forward(q7, k7, v7, scale=0.09, mask=MaskSpec(),
                            config=ForwardConfig(block_kv=192, num_stages=2),
                            kv_lengths=jnp.array([450], jnp.int32))
 print(f"192-key tiles at D=128: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
+
+role_split_cases()

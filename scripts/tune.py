@@ -124,10 +124,13 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
     cands.append(dataclasses.replace(base, reverse_q_tiles=True))
   if D <= 128:
     for kw in (dict(num_stages=3), dict(block_q_dkv=128 if base.block_q_dkv == 64 else 64),
-               dict(block_kv_dq=128 if base.block_kv_dq == 64 else 64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64)):
+               dict(block_kv_dq=128 if base.block_kv_dq == 64 else 64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64),
+               # The dk/dv kernel's warpgroups split by role, 64 or 128 keys each.
+               dict(role_split=True), dict(role_split=True, block_kv_dkv=128)):
       cands.append(dataclasses.replace(base, **kw))
   else:
-    for kw in (dict(num_stages=3), dict(split_dkv=False, block_q_dkv=64, num_stages=1)):
+    for kw in (dict(num_stages=3), dict(split_dkv=False, block_q_dkv=64, num_stages=1),
+               dict(split_dkv=False, compute_wgs_dkv=2, role_split=True)):
       cands.append(dataclasses.replace(base, **kw))
   return _fitting(cands, D)
 

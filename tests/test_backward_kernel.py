@@ -1591,3 +1591,122 @@ def test_gpu_exp2_fma_cols(D, mask):
   config = dataclasses.replace(BackwardConfig.heuristic(D, 1500, 1600, mask),
                                exp2_fma_cols=32)
   check(2, 1500, 1600, 4, 2, D, BF16, mask, config=config, seed=D, scale_x=2.0)
+
+
+# ----------------------------------------------------------------------------
+# BackwardConfig.role_split: the dk/dv kernel's two warpgroups share a key
+# tile, one forming pT and dv, the other dpT, dsT and dk (fifteenth session)
+# ----------------------------------------------------------------------------
+
+def with_roles(D, mask=CAUSAL_BR, **kw):
+  """The heuristic's config for D with the dk/dv kernel split by role."""
+  base = BackwardConfig.heuristic(D, 256, 256, mask)
+  return dataclasses.replace(base, compute_wgs_dkv=2, split_dkv=False,
+                             role_split=True, **kw)
+
+
+def test_role_split_config_rules():
+  for kw in (dict(compute_wgs_dkv=1), dict(deterministic=False),
+             dict(split_dkv=True)):
+    with pytest.raises(ValueError, match="role_split=True needs"):
+      BackwardConfig(role_split=True, **kw)
+  with pytest.raises(ValueError, match="role_split=1 must be a bool"):
+    BackwardConfig(role_split=1)
+  # One K and one V tile per CTA, and a float32 pT tile per ring slot.
+  plain, roles = BackwardConfig(), BackwardConfig(role_split=True)
+  assert roles.smem_bytes(128)[1] - plain.smem_bytes(128)[1] == (
+      -2 * 64 * 128 * 2 + 2 * 64 * 64 * 4)
+  assert roles.smem_bytes(128)[0] == plain.smem_bytes(128)[0]
+
+
+@pytest.mark.parametrize("D,block_kv_dkv", [(64, 64), (128, 64), (128, 128), (256, 64)])
+def test_role_split_lowers_for_cuda_within_its_estimate(monkeypatch, D, block_kv_dkv):
+  """The register-operand path lowers (wgmma of 128 rows in one warpgroup at
+  block_kv_dkv 128, the float32 pT tile swizzled) and Mosaic GPU's own smem
+  count of the dk/dv kernel is within a KiB of the estimate; at D = 256 the
+  two-slot ring fits in 227 KiB."""
+  config = with_roles(D, block_kv_dkv=block_kv_dkv)
+  q = jnp.zeros((1, 300, 2, D), BF16)
+  k = jnp.zeros((1, 260, 1, D), BF16)
+  lse = jnp.zeros((1, 2, 300), jnp.float32)
+  f = functools.partial(attention_backward, scale=0.1, mask=CAUSAL_BR, config=config)
+  _, dkv = lowered_smem_totals(monkeypatch, f, q, k, k, q, lse, q)
+  assert abs(dkv - config.smem_bytes(D)[1]) < 1024, (dkv, config.smem_bytes(D))
+  assert dkv <= backward.SMEM_LIMIT_BYTES
+  if D == 256:
+    assert config.num_stages == 2
+
+
+ROLE_INTERPRET_CASES = [
+    # B, Tq, Tk, N, K, D, dtype, mask, do_ones, block_kv_dkv
+    (1, 72, 130, 2, 1, 256, F16, CAUSAL_BR, False, 64),
+    (1, 200, 150, 2, 1, 64, BF16, CAUSAL_BR, False, 64),   # dead rows, GQA
+    (1, 150, 200, 3, 1, 64, F16, CAUSAL_TL, True, 64),     # keys nobody sees
+    (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10), False, 64),
+    (2, 256, 192, 2, 1, 128, BF16, NO_MASK, False, 128),   # 128 keys per warpgroup
+    (1, 5, 3, 1, 1, 64, BF16, CAUSAL_BR, False, 64),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask,do_ones,block_kv_dkv",
+                         ROLE_INTERPRET_CASES)
+def test_interpret_role_split_matches_reference(B, Tq, Tk, N, K, D, dtype, mask,
+                                                do_ones, block_kv_dkv):
+  # Interpret mode stages register operands in smem: one slot at D = 256.
+  config = with_roles(D, mask, block_kv_dkv=block_kv_dkv,
+                      num_stages=1 if D == 256 else 2)
+  *_, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, do_ones=do_ones,
+                           config=config, interpret=True, seed=Tq + Tk)
+  dead = dead_query_rows(mask, Tq, Tk)
+  if dead.any():
+    assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
+
+
+@pytest.mark.interpret
+def test_interpret_role_split_no_races():
+  """10 steps through a 2-slot ring (5 query tiles, 2 heads of a GQA group):
+  each pT tile is rewritten only after the other warpgroup's release."""
+  _run_each_kernel_with_race_detection(1, 300, 200, 2, 1, 64, CAUSAL_BR,
+                                       with_roles(64))
+
+
+@pytest.mark.interpret
+def test_interpret_role_split_with_options():
+  """Lengths, segment ids and a soft cap (pT goes over times 1 - tanh^2),
+  race-detected, against the reference."""
+  ids = _packed(30, 1, 70, 29)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  try:
+    check_opts(1, 130, 130, 2, 1, 64, F16, CAUSAL_TL, interpret=params,
+               config=with_roles(64), q_segment_ids=[ids], kv_segment_ids=[ids],
+               q_lengths=[120], kv_lengths=[101], softcap=3.0, scale=0.4)
+    assert not interpret_pallas_call.get_races().races_found, "race"
+  finally:
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,block_kv_dkv", [(256, 64), (128, 64), (128, 128), (64, 64)])
+@pytest.mark.parametrize("B,Tq,Tk,N,K,dtype,mask", [
+    (1, 1023, 1024, 7, 1, BF16, CAUSAL_TL),
+    (2, 4224, 4224, 4, 4, F16, NO_MASK),
+    (1, 799, 3, 2, 2, BF16, CAUSAL_BR),
+    (1, 2000, 2000, 2, 1, F16, W(window_left=300, window_right=0)),
+])
+def test_gpu_role_split(B, Tq, Tk, N, K, dtype, mask, D, block_kv_dkv):
+  config = with_roles(D, mask, block_kv_dkv=block_kv_dkv)
+  q, k, v, do, grads = check(B, Tq, Tk, N, K, D, dtype, mask, config=config,
+                             seed=Tq + D)
+  again = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=config)
+  for a, b in zip(grads, again):  # no atomics: bitwise reproducible
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lengths_causal_br", "softcap_lengths_gqa",
+                                  "segments_window_lengths"])
+def test_gpu_role_split_options(name):
+  B, Tq, Tk, N, K, mask, opts = GPU_OPTION_CASES[name]
+  check_opts(B, Tq, Tk, N, K, 256, BF16, mask, interpret=False,
+             config=with_roles(256, mask), seed=Tq, **opts)

@@ -178,6 +178,16 @@ class BackwardConfig:
       On an H200 (thirteenth session, docs/benchmarks/h200/2026-12-02-s13/
       tune.md) 3 and 4 slots were slower or even on 8 shapes (head_dim 64,
       128): the kernel is not waiting on its loads. Kept as an A/B knob.
+    role_split: the dk/dv kernel's two compute warpgroups share one tile of
+      ``block_kv_dkv`` keys and split the work by role instead of by keys:
+      warpgroup 0 forms sT = k q^T, pT and dv += pT do; warpgroup 1 forms
+      dpT = v do^T, dsT = pT (dpT - delta) and dk += dsT q, with pT (times
+      1 - tanh^2 under a soft cap) handed over in float32 through shared
+      memory, one tile per ring slot. Each warpgroup holds one float32
+      (block_kv_dkv, D) accumulator, so head_dim 256 computes dk and dv in
+      one launch (4 matmuls per tile pair) where ``split_dkv`` launches the
+      kernel twice (5 matmuls, q and do read twice). Needs compute_wgs_dkv 2,
+      deterministic, split_dkv off.
   """
 
   block_q_dq: int = 64
@@ -198,6 +208,7 @@ class BackwardConfig:
   compute_registers: int = 232
   producer_registers: int = 40
   num_stages_dkv: int = 0
+  role_split: bool = False
 
   @property
   def stages_dkv(self) -> int:
@@ -215,8 +226,14 @@ class BackwardConfig:
     check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0,
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
-                 "share_dq", "overlap_matmuls", "pair_dq"):
+                 "share_dq", "overlap_matmuls", "pair_dq", "role_split"):
       check_bool(name, getattr(self, name))
+    if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
+                            or self.split_dkv):
+      raise ValueError(
+          f"role_split=True needs compute_wgs_dkv=2, deterministic=True and "
+          f"split_dkv=False; got compute_wgs_dkv={self.compute_wgs_dkv}, "
+          f"deterministic={self.deterministic}, split_dkv={self.split_dkv}")
     if self.pair_dq and (self.deterministic or self.share_dq or not self.overlap_matmuls):
       raise ValueError(
           f"pair_dq=True needs deterministic=False, share_dq=False and "
@@ -244,8 +261,11 @@ class BackwardConfig:
       dq += w * bq * bk * itemsize  # ds staging
     w, s = self.compute_wgs_dkv, self.stages_dkv
     bq, bk = self.block_q_dkv, self.block_kv_dkv
-    dkv = w * 2 * bk * head_dim * itemsize  # K, V (reused for dk, dv)
+    # K, V (reused for dk, dv): one tile per warpgroup, one in all with roles.
+    dkv = (1 if self.role_split else w) * 2 * bk * head_dim * itemsize
     dkv += s * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
+    if self.role_split:
+      dkv += s * bk * bq * 4  # pT handed from warpgroup 0 to 1, per slot
     if interpret:
       dkv += w * bk * bq * itemsize  # pT / dsT staging
     if self.share_dq:  # dsT double-buffered, each warpgroup's half dq tile
@@ -707,7 +727,12 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   wgs, stages = config.compute_wgs_dkv, config.stages_dkv
   bq, bk = config.block_q_dkv, config.block_kv_dkv
   staged = not common.uses_register_operands(interpret)
-  num_kv_tiles = pl.cdiv(kv_len, wgs * bk)
+  roles = config.role_split
+  if roles and (dq_mode is not None or set(outputs) != {"dk", "dv"}):
+    raise ValueError("role_split computes dk and dv together, without dq")
+  # Keys per CTA: a tile per warpgroup, or one tile both share (role_split).
+  cta_keys = bk if roles else wgs * bk
+  num_kv_tiles = pl.cdiv(kv_len, cta_keys)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   overlap = config.overlap_matmuls and not staged and want_dk and want_dv
   # config.pair_dq (validated: deterministic=False without share_dq, so
@@ -731,9 +756,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     extra_refs, rest = rest[:len(extra)], rest[len(extra):]
     out_refs, rest = rest[:len(outputs)], rest[len(outputs):]
     (k_smem2, v_smem2, q_ring, do_ring, lse_ring, delta_ring, staging2,
-     ds_smem2, dq_stage2,
+     ds_smem2, dq_stage2, p_ring,
      k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed,
-     ds_ready, all_done) = rest
+     ds_ready, all_done, p_ready) = rest
     b = lax.axis_index(common.BATCH_AXIS)
     lens, seg_refs = _split_extras(extra_refs, lengths is not None,
                                    segments is not None, b)
@@ -752,17 +777,127 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
     kv_head = lax.axis_index(common.HEADS_AXIS)
     wg = lax.axis_index(common.WG_AXIS)
-    cta_k_lo = lax.axis_index(common.KV_TILES_AXIS) * (wgs * bk)
-    cta_lo, cta_hi = _union([plan_of(cta_k_lo + w * bk) for w in range(wgs)])
+    cta_k_lo = lax.axis_index(common.KV_TILES_AXIS) * cta_keys
+    cta_lo, cta_hi = _union([plan_of(cta_k_lo + w * bk)
+                             for w in range(1 if roles else wgs)])
     tiles_per_head = cta_hi - cta_lo
     # Step i walks query head (i // tiles_per_head) of the group, query tile
     # cta_lo + i % tiles_per_head; all heads see the same tiles.
     num_steps = group * tiles_per_head
     slot_of = lambda i: lax.rem(i, jnp.int32(stages))
 
+    def keep_of(t, k_lo, k_seg):
+      """Which (key, query) pairs of key tile k_lo, query tile t are visible."""
+      shape = (bk, bq)
+      k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                            layout=plgpu.Layout.WGMMA)
+      q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                              layout=plgpu.Layout.WGMMA)
+      keep = mask.visible(q_ids, k_ids, shift) & (q_ids < ql) & (k_ids < kl)
+      if seg_refs is not None:
+        q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(t * bq, bq)],
+                           layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        keep = keep & (lax.broadcast_in_dim(k_seg, shape, [0])
+                       == lax.broadcast_in_dim(q_seg, shape, [1]))
+      return keep
+
+    def role_compute():
+      """config.role_split: warpgroup 0 forms pT and dv, warpgroup 1 dpT, dsT
+      and dk, on the same key tile. Warpgroup 0 hands pT (through the soft
+      cap's 1 - tanh^2) over in p_ring[slot]; that tile is rewritten only
+      once the slot is refilled, which waits for warpgroup 1's release."""
+      k_lo = cta_k_lo
+      k_smem, v_smem = k_smem2.at[0], v_smem2.at[0]
+      staging = staging2.at[wg] if staged else None
+      keys = (b, pl.ds(k_lo, bk), kv_head)
+      col = plgpu.Layout.WGMMA.reduce(0)
+      shape = (bk, bq)
+      t_lo, a, b_full, t_hi = _own_sections(plan_of(k_lo), cta_lo, cta_hi)
+      k_seg = None
+      if seg_refs is not None:
+        k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
+                           layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+      def dv_step(t, dv, head_base, masked: bool):
+        slot = slot_of(head_base + t - cta_lo)
+        q_smem, do_smem = q_ring.at[slot], do_ring.at[slot]
+        plgpu.barrier_wait(q_bars.at[slot])
+        plgpu.barrier_wait(lse_bars.at[slot])
+        sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), shape)
+        lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
+        pT, th = _probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
+                                scale=scale, softcap=softcap,
+                                fma_cols=config.exp2_fma_cols, guard=staged)
+        if masked:
+          pT = jnp.where(keep_of(t, k_lo, k_seg), pT, 0.0)
+        p_ring.at[slot][...] = _through_softcap(pT, th)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready.at[slot])
+        plgpu.barrier_wait(do_bars.at[slot])
+        dv = common.accumulate_register_lhs(dv, pT.astype(dtype), do_smem,
+                                            staging=staging)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dv
+
+      def dk_step(t, dk, head_base, masked: bool):
+        slot = slot_of(head_base + t - cta_lo)
+        q_smem, do_smem = q_ring.at[slot], do_ring.at[slot]
+        plgpu.barrier_wait(do_bars.at[slot])
+        plgpu.barrier_wait(delta_bars.at[slot])
+        dpT = common.matmul_smem(
+            v_smem, do_smem.transpose((1, 0)), shape,
+            while_running=lambda: plgpu.barrier_wait(p_ready.at[slot]))
+        pT = plgpu.load(p_ring.at[slot], layout=plgpu.Layout.WGMMA)
+        delta_col = plgpu.load(delta_ring.at[slot], layout=col)
+        dsT = pT * (dpT - lax.broadcast_in_dim(delta_col, shape, [1]))
+        if masked:  # Select, so NaN/inf in masked rows cannot leak.
+          dsT = jnp.where(keep_of(t, k_lo, k_seg), dsT, 0.0)
+        plgpu.barrier_wait(q_bars.at[slot])
+        dk = common.accumulate_register_lhs(dk, dsT.astype(dtype), q_smem,
+                                            staging=staging)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk
+
+      def walk(step, acc):
+        def head(g, acc):
+          base = g * tiles_per_head
+          # Both warpgroups see the CTA's whole range: no tile to skip.
+          for lo, hi, masked in ((t_lo, a, True), (a, b_full, False),
+                                 (b_full, t_hi, True)):
+            acc = lax.fori_loop(lo, hi, functools.partial(
+                step, head_base=base, masked=masked), acc)
+          return acc
+        return lax.fori_loop(0, group, head, acc)
+
+      zeros = plgpu.layout_cast(jnp.zeros((bk, head_dim), jnp.float32),
+                                plgpu.Layout.WGMMA)
+      for role, (step, tile, bars, out) in enumerate((
+          (dv_step, k_smem, k_bars, "dv"), (dk_step, v_smem, v_bars, "dk"))):
+        @pl.when(wg == role)
+        def _():
+          # Each warpgroup loads the one K or V tile it reads, and stages its
+          # result there once its last matmul has read it.
+          src = k_ref if role == 0 else v_ref
+          plgpu.copy_gmem_to_smem(src.at[keys], tile, bars.at[0])
+          plgpu.barrier_wait(bars.at[0])
+          acc = walk(step, zeros)
+          if out == "dk":
+            acc = acc * scale
+          if lens is not None:  # Keys past kv_len: exactly 0 (selected).
+            k_row = k_lo + plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0,
+                                                  layout=plgpu.Layout.WGMMA)
+            acc = jnp.where(k_row < kl, acc, 0.0)
+          tile[...] = acc.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(tile, out_refs[outputs.index(out)].at[keys])
+          common.wait_final_stores()
+
     @pl.when(wg < wgs)
     def _compute():
       _set_registers(wgs, compute=True, config=config)
+      if roles:
+        role_compute()
+        return
       k_lo = cta_k_lo + wg * bk
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       staging = staging2.at[wg] if staged else None
@@ -1002,8 +1137,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                         transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
              if staged else None)
   with_dq = dq_mode is not None
+  kv_tiles = 1 if roles else wgs
   scratch = [
-      tile(wgs, bk, head_dim), tile(wgs, bk, head_dim),
+      tile(kv_tiles, bk, head_dim), tile(kv_tiles, bk, head_dim),
       tile(stages, bq, head_dim), tile(stages, bq, head_dim),
       plgpu.SMEM((stages, bq), jnp.float32), plgpu.SMEM((stages, bq), jnp.float32),
       staging,
@@ -1013,6 +1149,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                  transforms=common.smem_swizzle_transforms(bq, dtype.itemsize))
       if with_dq else None,
       plgpu.SMEM((wgs, bq, half), jnp.float32) if with_dq else None,
+      # role_split: pT from warpgroup 0 to warpgroup 1, one tile per slot.
+      plgpu.SMEM((stages, bk, bq), jnp.float32,
+                 transforms=common.smem_swizzle_transforms(bq, 4)) if roles else None,
       plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -1020,6 +1159,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       # share_dq: both dsT tiles of a step written (per parity); all dq done.
       plgpu.Barrier(num_arrivals=wgs, num_barriers=2) if share else None,
       plgpu.Barrier(num_arrivals=wgs, num_barriers=1) if share else None,
+      plgpu.Barrier(num_barriers=stages) if roles else None,
   ]
   out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in outputs]
   call = plgpu.kernel(
@@ -1030,7 +1170,10 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       grid_names=(common.HEADS_AXIS, common.KV_TILES_AXIS, common.BATCH_AXIS),
       num_threads=wgs + 1,
       thread_name=common.WG_AXIS,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # role_split at head_dim 256 fills shared memory to within a KiB; it
+      # has no cross-warp reductions, so it needs no reduction scratch.
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, **({"reduction_scratch_bytes": 0} if roles else {})),
       interpret=common.interpret_params(interpret),
   )
   if dq_mode is None:
