@@ -16,6 +16,7 @@
 # (STEPS steps, packed documents), train_speed (their steps timed side by side),
 # train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
 # train_script (scripts/gpu_train.sh end to end: what make demo runs on a Hopper GPU),
+# api_kernels (scripts/api_kernels.py $API_ARGS: the API's fwd+bwd kernel by kernel),
 # hlo_calls (custom calls in the train step before and after XLA's optimizations),
 # mgpu_tests, mgpu_bench (both GPUs),
 # testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2
@@ -100,6 +101,9 @@ run_stage() {  # run_stage NAME GPU
     hlo_calls)  # custom calls in the h200 train step before / after XLA, and where (3 for flash3)
       stage hlo_calls ${HLO_BUDGET:-150} "$g" python3 scripts/hlo_calls.py --preset h200 \
         --impls flash3,cudnn --flash3-kernels-only --where ;;
+    api_kernels)  # the API's fwd+bwd kernel by kernel against the backward kernels alone
+      stage api_kernels ${API_BUDGET:-90} "$g" python3 scripts/api_kernels.py \
+        ${API_ARGS:-} --out "$R/api_kernels" ;;
     train_crosscheck)  # train_flash3's checkpoint: held-out loss under each attention path
       stage train_crosscheck ${CROSSCHECK_BUDGET:-150} "$g" python3 -m examples.train_gpt.crosscheck \
         --preset h200 --flash3-kernels-only --seed 0 --out "$R/train/flash3" \

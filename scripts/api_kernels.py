@@ -1,0 +1,120 @@
+"""Where flash3's forward+backward time goes through the public API, kernel by kernel.
+
+For each shape of the FlashAttention-3 grid given (B*T = 16384 tokens, N*D =
+2048), times with CUPTI (jax.experimental.mosaic.gpu.profiler), on an H100/H200:
+
+* ``api fwd``: ``flash3.dot_product_attention(implementation="mosaic")``;
+* ``api fwd+bwd``: its jax.vjp with a cotangent, as flash3-bench times it;
+* ``kernels bwd``: ``kernels.backward.attention_backward`` alone on the
+  forward's o and lse, as scripts/tune.py times it;
+* cuDNN's forward and forward+backward in the same run (ratios hold across
+  machines, absolute times drift);
+
+then one run of each flash3 function kernel by kernel (every GPU kernel it
+launches, XLA's included), so a gap between "api fwd+bwd - api fwd" and
+"kernels bwd" shows which launches it comes from.
+
+Usage (on the GPU machine):
+  PYTHONPATH=src python3 scripts/api_kernels.py --D 128 --T 16384 --causal 0 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+
+def _by_kernel(timings) -> dict[str, float]:
+  out: dict[str, float] = {}
+  for name, ms in timings or []:
+    out[name[:70]] = out.get(name[:70], 0.0) + ms
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--D", type=int, nargs="+", default=[128])
+  ap.add_argument("--T", type=int, nargs="+", default=[16384])
+  ap.add_argument("--causal", type=int, nargs="+", default=[0])
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--out", default=None, help="folder for api_kernels.json")
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import profiler
+
+  import flash3
+  from flash3.kernels.backward import attention_backward
+  from flash3.visibility import MaskSpec
+
+  def median_ms(f, *xs):
+    for _ in range(2):
+      jax.block_until_ready(f(*xs))
+    _, ts = profiler.measure(f, iterations=args.iterations)(*xs)
+    return statistics.median(ts)
+
+  def kernels(f, *xs):
+    _, timings = profiler.measure(f, aggregate=False)(*xs)
+    return _by_kernel(timings)
+
+  rows = []
+  for D in args.D:
+    for T in args.T:
+      for causal in args.causal:
+        B, N = max(1, 16384 // T), 2048 // D
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, do = (jax.random.normal(kk, (B, T, N, D), jnp.bfloat16) for kk in keys)
+        mask = MaskSpec(causal=bool(causal), alignment="bottom_right")
+
+        def api(impl, q, k, v):
+          if impl == "flash3":
+            return flash3.dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                implementation="mosaic")
+          return jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal),
+                                              implementation="cudnn")
+
+        def fwd_bwd(impl):
+          def run(q, k, v, do):
+            _, vjp = jax.vjp(lambda q, k, v: api(impl, q, k, v), q, k, v)
+            return vjp(do)
+          return jax.jit(run)
+
+        fwd = {i: jax.jit(lambda q, k, v, i=i: api(i, q, k, v)) for i in ("flash3", "cudnn")}
+        both = {i: fwd_bwd(i) for i in ("flash3", "cudnn")}
+        o, lse = flash3.dot_product_attention(q, k, v, is_causal=bool(causal),
+                                              implementation="mosaic",
+                                              return_residual=True)
+        lse = lse.transpose(0, 2, 1)  # the API's (B, T, N); the kernel's (B, N, T)
+        bwd = jax.jit(lambda q, k, v, o, lse, do: attention_backward(
+            q, k, v, o, lse, do, scale=D ** -0.5, mask=mask))
+        row = dict(D=D, T=T, B=B, N=N, causal=causal)
+        for impl in ("flash3", "cudnn"):
+          row[f"{impl}_fwd_ms"] = median_ms(fwd[impl], q, k, v)
+          row[f"{impl}_fwd_bwd_ms"] = median_ms(both[impl], q, k, v, do)
+        row["kernels_bwd_ms"] = median_ms(bwd, q, k, v, o, lse, do)
+        row["flash3_fwd_kernels"] = kernels(fwd["flash3"], q, k, v)
+        row["flash3_fwd_bwd_kernels"] = kernels(both["flash3"], q, k, v, do)
+        row["kernels_bwd_kernels"] = kernels(bwd, q, k, v, o, lse, do)
+        api_bwd = row["flash3_fwd_bwd_ms"] - row["flash3_fwd_ms"]
+        cudnn_bwd = row["cudnn_fwd_bwd_ms"] - row["cudnn_fwd_ms"]
+        print(f"D={D} T={T} causal={causal}: api fwd {row['flash3_fwd_ms']:.3f} ms, "
+              f"api fwd+bwd {row['flash3_fwd_bwd_ms']:.3f} (bwd {api_bwd:.3f}), "
+              f"kernels bwd {row['kernels_bwd_ms']:.3f}; cuDNN fwd "
+              f"{row['cudnn_fwd_ms']:.3f}, fwd+bwd {row['cudnn_fwd_bwd_ms']:.3f} "
+              f"(bwd {cudnn_bwd:.3f})", flush=True)
+        for what in ("flash3_fwd_kernels", "flash3_fwd_bwd_kernels", "kernels_bwd_kernels"):
+          print(f"  {what}:", flush=True)
+          for name, ms in row[what].items():
+            print(f"    {ms:8.3f} ms  {name}", flush=True)
+        rows.append(row)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "api_kernels.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
