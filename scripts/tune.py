@@ -129,8 +129,10 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
                dict(role_split=True), dict(role_split=True, block_kv_dkv=128)):
       cands.append(dataclasses.replace(base, **kw))
   else:
-    for kw in (dict(num_stages=3), dict(split_dkv=False, block_q_dkv=64, num_stages=1),
-               dict(split_dkv=False, compute_wgs_dkv=2, role_split=True)):
+    for kw in (dict(num_stages=3),
+               # The default before role_split: dk and dv in two launches.
+               dict(compute_wgs_dkv=1, split_dkv=True, role_split=False),
+               dict(num_stages_dkv=1)):
       cands.append(dataclasses.replace(base, **kw))
   return _fitting(cands, D)
 

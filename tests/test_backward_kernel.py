@@ -159,8 +159,10 @@ def test_heuristic_fits_shared_memory(D):
   dq_bytes, dkv_bytes = config.smem_bytes(D, 2, interpret=True)
   assert max(dq_bytes, dkv_bytes) <= backward.SMEM_LIMIT_BYTES
   config.check_fits(D, 2)
-  if D == 256:  # two (64, 256) float32 accumulators do not fit registers
-    assert config.split_dkv
+  if D > 128:  # two (64, D) float32 accumulators do not fit one warpgroup
+    assert config.role_split and not config.split_dkv
+    gpu = BackwardConfig.heuristic(D, 4096, 4096, CAUSAL_BR)
+    assert gpu.stages_dkv == 2 and gpu.num_stages == 2  # the GPU keeps two slots
 
 
 @pytest.mark.parametrize("D, mask, kv_len, block_kv_dq", [
@@ -246,7 +248,7 @@ INTERPRET_CASES = [
     (1, 256, 192, 2, 1, 128, BF16, NO_MASK, True),
     (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10), False),
     (1, 5, 3, 1, 1, 64, BF16, CAUSAL_BR, False),       # tiny, dead rows
-    (1, 72, 130, 2, 1, 256, F16, CAUSAL_BR, False),    # D 256: split dk/dv, 1 wg
+    (1, 72, 130, 2, 1, 256, F16, CAUSAL_BR, False),    # D 256: dk/dv split by role
 ]
 
 

@@ -115,7 +115,9 @@ class BackwardConfig:
       kernel's K/V ring; the dk/dv kernel's q/do ring too unless
       ``num_stages_dkv`` is set).
     split_dkv: compute dk and dv in two launches of the dk/dv kernel, each
-      holding one float32 accumulator (head_dim 256 has no registers for two).
+      holding one float32 accumulator (a warpgroup has no registers for two at
+      head_dim 256). The head_dim 256 default until the fifteenth session,
+      when ``role_split`` replaced it.
     fuse_matmuls: in the dk/dv kernel, issue dv += pT do and dpT = v do^T
       before one wgmma wait (GPU path only; interpret mode runs them apart).
       Off by default: within a few percent either way in the H200 sweeps.
@@ -187,7 +189,14 @@ class BackwardConfig:
       (block_kv_dkv, D) accumulator, so head_dim 256 computes dk and dv in
       one launch (4 matmuls per tile pair) where ``split_dkv`` launches the
       kernel twice (5 matmuls, q and do read twice). Needs compute_wgs_dkv 2,
-      deterministic, split_dkv off.
+      deterministic, split_dkv off. The head_dim 256 default: on an H200
+      (fifteenth session, docs/benchmarks/h200/2026-12-02-s15/README.md,
+      bfloat16, T 4096 and 16384, causal and not) the backward ran at 419-446
+      TFLOP/s against split_dkv's 324-365 (the dk/dv kernel 3.4 ms against
+      5.0 at T = 16384 causal), 1.11-1.21 of cuDNN's. At head_dim 64 and 128,
+      where a warpgroup holds both accumulators, it was 20-27% slower than
+      the default (a CTA covers half as many keys, so q and do stream twice
+      as often per key).
   """
 
   block_q_dq: int = 64
@@ -336,17 +345,24 @@ class BackwardConfig:
                    num_stages=2)
     else:
       # Two float32 (64, 256) accumulators do not fit one warpgroup's
-      # registers; one compute warpgroup keeps the ring within smem.
+      # registers: the dk/dv kernel's warpgroups hold one each (role_split;
+      # fifteenth session: 1.11-1.21 of cuDNN's backward at T 4096 and 16384,
+      # against 0.88-0.94 with the dk and dv launches of split_dkv). One
+      # compute warpgroup keeps the dq kernel's ring within smem.
       config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
-                   compute_wgs_dkv=1, num_stages=2, split_dkv=True)
+                   compute_wgs_dkv=2, num_stages=2, role_split=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if packed and causal and head_dim <= 128:
       config = dataclasses.replace(config, block_kv_dq=64, block_q_dkv=64)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
                                    pair_dq=True)
-    while (max(config.smem_bytes(head_dim, 2, interpret=interpret)) > SMEM_LIMIT_BYTES
-           and config.num_stages > 1):
+    # Interpret mode stages register operands in smem too: shallower rings,
+    # each kernel's on its own (the dk/dv kernel's with role_split at D=256).
+    fits = lambda i: config.smem_bytes(head_dim, 2, interpret=interpret)[i] <= SMEM_LIMIT_BYTES
+    while not fits(1) and config.stages_dkv > 1:
+      config = dataclasses.replace(config, num_stages_dkv=config.stages_dkv - 1)
+    while not fits(0) and config.num_stages > 1:
       config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     config.check_fits(head_dim, 2, interpret=interpret)
     return config
