@@ -1621,7 +1621,8 @@ def test_role_split_config_rules():
   assert roles.smem_bytes(128)[0] == plain.smem_bytes(128)[0]
 
 
-@pytest.mark.parametrize("D,block_kv_dkv", [(64, 64), (128, 64), (128, 128), (256, 64)])
+@pytest.mark.parametrize("D,block_kv_dkv", [(64, 64), (128, 64), (128, 128), (160, 64),
+                                            (192, 64), (256, 64)])
 def test_role_split_lowers_for_cuda_within_its_estimate(monkeypatch, D, block_kv_dkv):
   """The register-operand path lowers (wgmma of 128 rows in one warpgroup at
   block_kv_dkv 128, the float32 pT tile swizzled) and Mosaic GPU's own smem
@@ -1647,6 +1648,8 @@ ROLE_INTERPRET_CASES = [
     (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10), False, 64),
     (2, 256, 192, 2, 1, 128, BF16, NO_MASK, False, 128),   # 128 keys per warpgroup
     (1, 5, 3, 1, 1, 64, BF16, CAUSAL_BR, False, 64),
+    (1, 100, 136, 2, 1, 160, BF16, CAUSAL_BR, False, 64),  # heuristic's pick above 128
+    (1, 100, 136, 2, 1, 192, F16, NO_MASK, False, 64),
 ]
 
 
@@ -1655,9 +1658,9 @@ ROLE_INTERPRET_CASES = [
                          ROLE_INTERPRET_CASES)
 def test_interpret_role_split_matches_reference(B, Tq, Tk, N, K, D, dtype, mask,
                                                 do_ones, block_kv_dkv):
-  # Interpret mode stages register operands in smem: one slot at D = 256.
+  # Interpret mode stages register operands in smem: one slot above D = 128.
   config = with_roles(D, mask, block_kv_dkv=block_kv_dkv,
-                      num_stages=1 if D == 256 else 2)
+                      num_stages=1 if D > 128 else 2)
   *_, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, do_ones=do_ones,
                            config=config, interpret=True, seed=Tq + Tk)
   dead = dead_query_rows(mask, Tq, Tk)

@@ -347,8 +347,9 @@ class BackwardConfig:
       # Two float32 (64, 256) accumulators do not fit one warpgroup's
       # registers: the dk/dv kernel's warpgroups hold one each (role_split;
       # fifteenth session: 1.11-1.21 of cuDNN's backward at T 4096 and 16384,
-      # against 0.88-0.94 with the dk and dv launches of split_dkv). One
-      # compute warpgroup keeps the dq kernel's ring within smem.
+      # against 0.88-0.94 with the dk and dv launches of split_dkv; head dims
+      # between 128 and 256 follow, timed on no GPU yet). One compute
+      # warpgroup keeps the dq kernel's ring within smem.
       config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
                    compute_wgs_dkv=2, num_stages=2, role_split=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
