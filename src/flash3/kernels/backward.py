@@ -18,7 +18,9 @@ bitwise deterministic):
   producer streams q, do, lse and delta. sT = k q^T, pT = exp(scale sT - lse),
   dv += pT do, dpT = v do^T, dsT = pT (dpT - delta), dk += dsT q; finally
   dk *= scale. dk, dv are accumulated per KV head in registers, never per
-  query head in memory.
+  query head in memory. Above head_dim 128 (``BackwardConfig.role_split``)
+  the two warpgroups share one key tile instead, one forming pT and dv, the
+  other dpT, dsT and dk, with pT handed over through shared memory.
 
 Masks come from ``flash3.visibility.MaskSpec``: ``key_range`` /
 ``query_range`` skip tiles nobody sees, ``full_key_range`` /
