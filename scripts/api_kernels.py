@@ -35,10 +35,13 @@ def _by_kernel(timings) -> dict[str, float]:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--D", type=int, nargs="+", default=[128])
-  ap.add_argument("--T", type=int, nargs="+", default=[16384])
-  ap.add_argument("--causal", type=int, nargs="+", default=[0])
-  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--D", type=int, nargs="+", default=[128],
+                  help="head dims (N = 2048 / D heads)")
+  ap.add_argument("--T", type=int, nargs="+", default=[16384],
+                  help="sequence lengths (B = 16384 / T rows)")
+  ap.add_argument("--causal", type=int, nargs="+", default=[0], choices=(0, 1),
+                  help="0 (no mask) and/or 1 (causal, bottom-right)")
+  ap.add_argument("--iterations", type=int, default=10, help="timed runs per median")
   ap.add_argument("--out", default=None, help="folder for api_kernels.json")
   args = ap.parse_args()
 

@@ -1670,8 +1670,8 @@ def test_interpret_role_split_matches_reference(B, Tq, Tk, N, K, D, dtype, mask,
 
 @pytest.mark.interpret
 def test_interpret_role_split_no_races():
-  """10 steps through a 2-slot ring (5 query tiles, 2 heads of a GQA group):
-  each pT tile is rewritten only after the other warpgroup's release."""
+  """6 steps through a 2-slot ring (3 query tiles of 128, 2 heads of a GQA
+  group): each pT tile is rewritten only after the other warpgroup's release."""
   _run_each_kernel_with_race_detection(1, 300, 200, 2, 1, 64, CAUSAL_BR,
                                        with_roles(64))
 
@@ -1692,7 +1692,8 @@ def test_interpret_role_split_with_options():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,block_kv_dkv", [(256, 64), (128, 64), (128, 128), (64, 64)])
+@pytest.mark.parametrize("D,block_kv_dkv", [(256, 64), (192, 64), (160, 64), (128, 64),
+                                            (128, 128), (64, 64)])
 @pytest.mark.parametrize("B,Tq,Tk,N,K,dtype,mask", [
     (1, 1023, 1024, 7, 1, BF16, CAUSAL_TL),
     (2, 4224, 4224, 4, 4, F16, NO_MASK),

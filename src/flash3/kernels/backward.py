@@ -191,12 +191,15 @@ class BackwardConfig:
       (block_kv_dkv, D) accumulator, so head_dim 256 computes dk and dv in
       one launch (4 matmuls per tile pair) where ``split_dkv`` launches the
       kernel twice (5 matmuls, q and do read twice). Needs compute_wgs_dkv 2,
-      deterministic, split_dkv off. The head_dim 256 default: on an H200
+      deterministic, split_dkv off. The role split has its own matmul order:
+      ``fuse_matmuls`` does not apply to it, and ``overlap_matmuls`` only to
+      the dq kernel. The head_dim 256 default: on an H200
       (fifteenth session, docs/benchmarks/h200/2026-12-02-s15/README.md,
       bfloat16, T 4096 and 16384, causal and not) the backward ran at 419-446
       TFLOP/s against split_dkv's 324-365 (the dk/dv kernel 3.4 ms against
-      5.0 at T = 16384 causal), 1.11-1.21 of cuDNN's. At head_dim 64 and 128,
-      where a warpgroup holds both accumulators, it was 20-27% slower than
+      5.0 at T = 16384 causal), 1.10-1.22 of cuDNN's (0.86-0.96 before). At
+      head_dim 64 and 128, where a warpgroup holds both accumulators, it took
+      23-31% longer than
       the default (a CTA covers half as many keys, so q and do stream twice
       as often per key).
   """
@@ -348,8 +351,8 @@ class BackwardConfig:
     else:
       # Two float32 (64, 256) accumulators do not fit one warpgroup's
       # registers: the dk/dv kernel's warpgroups hold one each (role_split;
-      # fifteenth session: 1.11-1.21 of cuDNN's backward at T 4096 and 16384,
-      # against 0.88-0.94 with the dk and dv launches of split_dkv; head dims
+      # fifteenth session: 1.10-1.22 of cuDNN's backward at T 4096 and 16384,
+      # against 0.86-0.96 with the dk and dv launches of split_dkv; head dims
       # between 128 and 256 follow, timed on no GPU yet). One compute
       # warpgroup keeps the dq kernel's ring within smem.
       config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
@@ -748,7 +751,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staged = not common.uses_register_operands(interpret)
   roles = config.role_split
   if roles and (dq_mode is not None or set(outputs) != {"dk", "dv"}):
-    raise ValueError("role_split computes dk and dv together, without dq")
+    raise ValueError(
+        f"role_split computes dk and dv together without dq: outputs={outputs!r} "
+        f"must be ('dk', 'dv') and dq_mode={dq_mode!r} None")
   # Keys per CTA: a tile per warpgroup, or one tile both share (role_split).
   cta_keys = bk if roles else wgs * bk
   num_kv_tiles = pl.cdiv(kv_len, cta_keys)
