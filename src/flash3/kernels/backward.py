@@ -825,6 +825,14 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                        == lax.broadcast_in_dim(q_seg, shape, [1]))
       return keep
 
+    def zero_past_kv_len(k_lo, *accs):
+      """The accumulators of key tile k_lo (None passes through), rows past
+      kv_len selected to exactly 0: a query tile that sees all of a tile's
+      valid keys runs unmasked over the rest."""
+      k_row = k_lo + plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0,
+                                            layout=plgpu.Layout.WGMMA)
+      return tuple(None if x is None else jnp.where(k_row < kl, x, 0.0) for x in accs)
+
     def role_compute():
       """config.role_split: warpgroup 0 forms pT and dv, warpgroup 1 dpT, dsT
       and dk, on the same key tile. Warpgroup 0 hands pT (through the soft
@@ -907,10 +915,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           acc = walk(step, zeros)
           if out == "dk":
             acc = acc * scale
-          if lens is not None:  # Keys past kv_len: exactly 0 (selected).
-            k_row = k_lo + plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0,
-                                                  layout=plgpu.Layout.WGMMA)
-            acc = jnp.where(k_row < kl, acc, 0.0)
+          if lens is not None:
+            (acc,) = zero_past_kv_len(k_lo, acc)
           tile[...] = acc.astype(dtype)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(tile, out_refs[outputs.index(out)].at[keys])
@@ -933,6 +939,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       t_lo, a, b_full, t_hi = _own_sections(plan_of(k_lo), cta_lo, cta_hi)
       col = plgpu.Layout.WGMMA.reduce(0)
       ready = (q_bars, do_bars, lse_bars, delta_bars)
+      k_seg = None
       if seg_refs is not None:  # This warpgroup's key ids, one per row.
         k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
@@ -974,19 +981,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         plgpu.barrier_wait(q_bars.at[slot])
         plgpu.barrier_wait(lse_bars.at[slot])
         shape = (bk, bq)
-        keep = None
-        if masked:
-          k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                layout=plgpu.Layout.WGMMA)
-          q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                  layout=plgpu.Layout.WGMMA)
-          keep = (mask.visible(q_ids, k_ids, shift) & (q_ids < ql)
-                  & (k_ids < kl))
-          if seg_refs is not None:
-            q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(t * bq, bq)], layout=col,
-                               optimized=False)
-            keep = keep & (lax.broadcast_in_dim(k_seg, shape, [0])
-                           == lax.broadcast_in_dim(q_seg, shape, [1]))
+        keep = keep_of(t, k_lo, k_seg) if masked else None
         lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
 
         def probabilities(sT):
@@ -1108,12 +1103,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       if dk is not None:
         dk = dk * scale
       if lens is not None:
-        # Keys past kv_len: exactly 0 (selected; a query tile that sees all
-        # of this warpgroup's valid keys runs unmasked over the rest).
-        k_row = k_lo + plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0,
-                                              layout=plgpu.Layout.WGMMA)
-        dk = None if dk is None else jnp.where(k_row < kl, dk, 0.0)
-        dv = None if dv is None else jnp.where(k_row < kl, dv, 0.0)
+        dk, dv = zero_past_kv_len(k_lo, dk, dv)
       results = {"dk": (k_smem, dk), "dv": (v_smem, dv)}
       for name in outputs:
         smem, value = results[name]
