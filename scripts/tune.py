@@ -123,10 +123,10 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
   if causal:
     cands.append(dataclasses.replace(base, reverse_q_tiles=True))
   if D <= 128:
+    # Not role_split: 23-31% slower here with 64-key tiles, 0.76-0.88 of cuDNN
+    # with 128 (fifteenth session); `--vary role_split=0,1` still runs it.
     for kw in (dict(num_stages=3), dict(block_q_dkv=128 if base.block_q_dkv == 64 else 64),
-               dict(block_kv_dq=128 if base.block_kv_dq == 64 else 64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64),
-               # The dk/dv kernel's warpgroups split by role, 64 or 128 keys each.
-               dict(role_split=True), dict(role_split=True, block_kv_dkv=128)):
+               dict(block_kv_dq=128 if base.block_kv_dq == 64 else 64), dict(compute_wgs_dq=1, block_q_dq=128, block_kv_dq=64)):
       cands.append(dataclasses.replace(base, **kw))
   else:
     for kw in (dict(num_stages=3),
