@@ -23,14 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-
-
-def _by_kernel(timings) -> dict[str, float]:
-  out: dict[str, float] = {}
-  for name, ms in timings or []:
-    out[name[:70]] = out.get(name[:70], 0.0) + ms
-  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -50,18 +42,17 @@ def main() -> None:
   from jax.experimental.mosaic.gpu import profiler
 
   import flash3
+  from flash3.bench import timing
   from flash3.kernels.backward import attention_backward
   from flash3.visibility import MaskSpec
 
   def median_ms(f, *xs):
-    for _ in range(2):
-      jax.block_until_ready(f(*xs))
-    _, ts = profiler.measure(f, iterations=args.iterations)(*xs)
-    return statistics.median(ts)
+    jax.block_until_ready(f(*xs))  # compiled outside the timing
+    return timing.measure(f, xs, iterations=args.iterations).median
 
   def kernels(f, *xs):
     _, timings = profiler.measure(f, aggregate=False)(*xs)
-    return _by_kernel(timings)
+    return timing.by_kernel(timings, name_width=70)
 
   rows = []
   for D in args.D:

@@ -234,21 +234,13 @@ def _visible_pairs(T: int, causal: bool, window: int | None,
   return float(np.sum(hi - lo))
 
 
-def _by_kernel(timings) -> dict:
-  """profiler.measure(..., aggregate=False)'s (name, ms) pairs -> ms per kernel
-  name (60 characters), largest first: the backward's dq / dk/dv split."""
-  out: dict[str, float] = {}
-  for name, ms in timings or []:
-    out[name[:60]] = out.get(name[:60], 0.0) + ms
-  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def _task(task):
   """Compile and warm one (shape, config); then time it and cuDNN under the lock."""
   what, dtype_name, D, T, causal, window, docs, config, iterations = task
   import jax
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
+  from flash3.bench import timing
   from flash3.kernels.backward import attention_backward
   from flash3.kernels.forward import attention_forward
   from flash3.visibility import MaskSpec
@@ -329,7 +321,7 @@ def _task(task):
       try:  # One call, kernel by kernel: where the backward's time goes.
         with _LOCK:
           _, timings = profiler.measure(ours, aggregate=False)(*args_ours)
-        row["kernels_ms"] = _by_kernel(timings)
+        row["kernels_ms"] = timing.by_kernel(timings)  # the dq / dk/dv split
       except Exception as e:  # noqa: BLE001 - the row's timing stands without it
         row["kernels_ms_error"] = f"{type(e).__name__}: {e}"[:200]
   except Exception as e:  # noqa: BLE001 - a failing config is a result too

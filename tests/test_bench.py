@@ -812,6 +812,15 @@ def test_skip_done_leaves_the_cases_a_cut_off_run_did_not_finish(tmp_path,
 
 # ----- timing -----------------------------------------------------------------
 
+def test_by_kernel_sums_time_per_kernel_name_largest_first():
+  split = timing.by_kernel([("dq_kernel", 1.0), ("delta_fusion", 0.1),
+                            ("dkv_kernel", 2.0), ("dq_kernel", 0.5)])
+  assert list(split) == ["dkv_kernel", "dq_kernel", "delta_fusion"]
+  assert split["dq_kernel"] == pytest.approx(1.5)
+  assert timing.by_kernel(None) == {}
+  assert list(timing.by_kernel([("a" * 80, 1.0)], name_width=70)) == ["a" * 70]
+
+
 def test_timing_from_measurement():
   t = timing.from_measurement([1.0, 3.0, 2.0, 2.5], 4)
   assert t.median == 2.25 and t.min == 1.0 and t.max == 3.0

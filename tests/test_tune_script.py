@@ -151,15 +151,6 @@ def test_tune_ab_unknown_field():
     ab.ab_table([_row(64, 1024, "off", 1.0, 1.0)], ["no_such"])
 
 
-def test_by_kernel_sums_time_per_kernel_name_largest_first():
-  tune = _tune_module()
-  split = tune._by_kernel([("dq_kernel", 1.0), ("delta_fusion", 0.1),
-                           ("dkv_kernel", 2.0), ("dq_kernel", 0.5)])
-  assert list(split) == ["dkv_kernel", "dq_kernel", "delta_fusion"]
-  assert split["dq_kernel"] == pytest.approx(1.5)
-  assert tune._by_kernel(None) == {}
-
-
 def test_hlo_calls_counts_custom_call_targets():
   pytest.importorskip("optax", reason="needs the examples extra")
   hlo_calls = _script_module("hlo_calls")

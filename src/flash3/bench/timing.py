@@ -57,6 +57,16 @@ def from_measurement(times: Any, iterations: int) -> Timing:
   return Timing(times)
 
 
+def by_kernel(timings, name_width: int = 60) -> dict[str, float]:
+  """``profiler.measure(..., aggregate=False)``'s (kernel name, ms) pairs ->
+  ms per kernel name (cut to ``name_width`` characters), largest first: where
+  one call's time goes. None (no kernel ran) gives {}."""
+  out: dict[str, float] = {}
+  for name, ms in timings or []:
+    out[name[:name_width]] = out.get(name[:name_width], 0.0) + ms
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def measure(fn: Callable, args: tuple, *, iterations: int = 10,
             warmup: int = 2) -> Timing:
   """Time ``fn(*args)`` with CUPTI.
