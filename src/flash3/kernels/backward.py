@@ -214,7 +214,8 @@ class BackwardConfig:
       ds = p (dp - delta) and dq += ds k. One q/do tile per CTA leaves room
       for a two-slot K/V ring at head_dim 256, where two warpgroups with a
       tile each do not fit and one warpgroup runs the three matmuls and the
-      softmax in series. Needs compute_wgs_dq 2 and deterministic;
+      softmax in series. Needs compute_wgs_dq 2, deterministic and
+      num_stages >= 2;
       ``overlap_matmuls`` does not apply. Warpgroup 1 holds the float32
       (block_q_dq, D) dq and takes ``ROLE_DQ_REGISTERS``, warpgroup 0 the rest.
   """
@@ -271,10 +272,14 @@ class BackwardConfig:
           f"role_split=True needs compute_wgs_dkv=2, deterministic=True and "
           f"split_dkv=False; got compute_wgs_dkv={self.compute_wgs_dkv}, "
           f"deterministic={self.deterministic}, split_dkv={self.split_dkv}")
-    if self.role_split_dq and (self.compute_wgs_dq != 2 or not self.deterministic):
+    if self.role_split_dq and (self.compute_wgs_dq != 2 or not self.deterministic
+                               or self.num_stages < 2):
+      # One slot: warpgroup 1 waits for tile t + 1's V before it releases
+      # tile t's slot, which that load needs: deadlock.
       raise ValueError(
-          f"role_split_dq=True needs compute_wgs_dq=2 and deterministic=True; got "
-          f"compute_wgs_dq={self.compute_wgs_dq}, deterministic={self.deterministic}")
+          f"role_split_dq=True needs compute_wgs_dq=2, deterministic=True and "
+          f"num_stages >= 2; got compute_wgs_dq={self.compute_wgs_dq}, "
+          f"deterministic={self.deterministic}, num_stages={self.num_stages}")
     if self.pair_dq and (self.deterministic or self.share_dq or not self.overlap_matmuls):
       raise ValueError(
           f"pair_dq=True needs deterministic=False, share_dq=False and "
@@ -778,8 +783,9 @@ def _dq_role_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask,
   its use of the slot, forms p and waits until warpgroup 1 has read the
   previous p, then writes p into ``p_smem`` and signals ``p_ready``.
   Warpgroup 1 forms dp = do V_t^T while p is on its way, reads p and signals
-  ``p_free``, forms ds and dq += ds K_t, and releases the slot. Warpgroup 0
-  runs up to a tile ahead; the producer refills a slot once both released it.
+  ``p_free``, forms ds and issues dq += ds K_t together with the next tile's
+  dp, and releases the slot. Warpgroup 0 runs up to a tile ahead; the
+  producer refills a slot once both released it.
   """
   batch, _, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
@@ -869,24 +875,34 @@ def _dq_role_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask,
       delta_row, keep_of = load_rows(do_ref, do_smem, delta_ref, delta_smem, 1)
       plgpu.barrier_arrive(p_free.at[0])  # p_smem starts free.
 
-      def step(t, dq, masked: bool):
-        slot = slot_of(t)
-        plgpu.barrier_wait(v_bars.at[slot])
-        dp = common.matmul_smem(do_smem, v_ring.at[slot].transpose((1, 0)), shape,
-                                while_running=lambda: plgpu.barrier_wait(p_ready.at[0]))
+      def dp_of(v_tile):
+        return common.matmul_smem(do_smem, v_tile.transpose((1, 0)), shape)
+
+      def step(t, carry, masked: bool):
+        # dp of tile t came with the previous step's dq; this one issues
+        # dq += ds_t K_t and dp of tile t + 1 back to back.
+        dq, dp = carry
+        slot, nxt = slot_of(t), slot_of(t + 1)
+        plgpu.barrier_wait(p_ready.at[0])
         p = plgpu.load(p_smem, layout=wgmma)
         plgpu.barrier_arrive(p_free.at[0])
         ds = p * (dp - bcast(delta_row))
         if masked:  # Select, so NaN/inf in masked V rows cannot leak.
           ds = jnp.where(keep_of(t), ds, 0.0)
         plgpu.barrier_wait(k_bars.at[slot])
-        dq = common.accumulate_register_lhs(dq, ds.astype(dtype), k_ring.at[slot],
-                                            staging=staging)
+        # After the last tile no load comes: that dp reads whatever the slot
+        # holds and is dropped.
+        pl.when(t + 1 < t_hi)(lambda: plgpu.barrier_wait(v_bars.at[nxt]))
+        dq, dp = common.accumulate_then_matmul(
+            dq, ds.astype(dtype), k_ring.at[slot], do_smem,
+            v_ring.at[nxt].transpose((1, 0)), staging=staging)
         plgpu.barrier_arrive(consumed.at[slot])
-        return dq
+        return dq, dp
 
-      dq = sections(step, plgpu.layout_cast(
-          jnp.zeros((bq, head_dim), jnp.float32), wgmma))
+      pl.when(t_lo < t_hi)(lambda: plgpu.barrier_wait(v_bars.at[slot_of(t_lo)]))
+      dp = dp_of(v_ring.at[slot_of(t_lo)])  # Dropped if the CTA has no tile.
+      dq, _ = sections(step, (plgpu.layout_cast(
+          jnp.zeros((bq, head_dim), jnp.float32), wgmma), dp))
       dq = dq * scale
       if lens is not None:  # Rows past q_len: exactly 0 (selected).
         q_row = q_lo + plgpu.broadcasted_iota(jnp.int32, dq.shape, 0, layout=wgmma)
