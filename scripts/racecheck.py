@@ -10,7 +10,7 @@ and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
 and both backwards in the plain matmul order (overlap_matmuls=False); last, D=128's
 192-key tiles (its non-causal default for long keys), and the dk/dv kernel split
 by role (``BackwardConfig.role_split``) at D = 64 and 256 with lengths, segments
-and a soft cap, once with the dq kernel split by role too (``role_split_dq``).
+and a soft cap.
 
 ``--only role_split`` runs that last group alone (a kernel new since the last
 full run, checked in a short device call).
@@ -28,20 +28,17 @@ from flash3.visibility import MaskSpec
 
 def role_split_cases():
   """The dk/dv kernel's warpgroups split by role: pT handed over per ring slot
-  (300 queries: 5 tiles of 64 and 2 heads of a GQA group wrap a 2-slot ring);
-  then also the dq kernel's (p handed over per key tile; 5 key tiles of 64
-  wrap its 2-slot ring).
+  (300 queries: 5 tiles of 64 and 2 heads of a GQA group wrap a 2-slot ring).
   Three documents of 100 tokens, causal bottom-right with lengths 290 / 280
   (query i sees keys up to i - 10 of its own document): most tiles are
   visible, and the run fails unless dk and dv get nonzero entries."""
   keys = jax.random.split(jax.random.key(1), 4)
-  for d, dq_roles in ((64, False), (256, False), (64, True), (256, True)):
+  for d in (64, 256):
     qr = jax.random.normal(keys[0], (1, 300, 2, d), jnp.bfloat16)
     kr, vr = (jax.random.normal(kk, (1, 300, 1, d), jnp.bfloat16) for kk in keys[1:3])
     ids = jnp.repeat(jnp.arange(3), 100)[None]
-    config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=2 if dq_roles else 1,
-                            block_q_dkv=64, num_stages=2, role_split=True,
-                            role_split_dq=dq_roles)
+    config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
+                            num_stages=2, role_split=True)
     grads = attention_backward(
         qr, kr, vr, qr, jnp.zeros((1, 2, 300), jnp.float32), qr, scale=0.1,
         mask=MaskSpec(causal=True, alignment="bottom_right"), config=config,
@@ -49,8 +46,7 @@ def role_split_cases():
         q_segment_ids=ids, kv_segment_ids=ids, softcap=20.0)
     finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
     nonzero = [int(jnp.count_nonzero(g)) for g in grads]
-    name = "dq and dk/dv" if dq_roles else "dk/dv"
-    print(f"role-split {name}, D={d}: finite {finite}, nonzero (dq, dk, dv) {nonzero}")
+    print(f"role-split dk/dv, D={d}: finite {finite}, nonzero (dq, dk, dv) {nonzero}")
     if not (finite and min(nonzero) > 0):
       raise SystemExit(f"role-split case D={d} computed nothing or non-finite values")
 

@@ -132,9 +132,7 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
     for kw in (dict(num_stages=3),
                # The default before role_split: dk and dv in two launches.
                dict(compute_wgs_dkv=1, split_dkv=True, role_split=False),
-               dict(num_stages_dkv=1),
-               # The dq kernel split by role (sixteenth session).
-               dict(compute_wgs_dq=2, block_kv_dq=64, role_split_dq=True)):
+               dict(num_stages_dkv=1)):
       cands.append(dataclasses.replace(base, **kw))
   return _fitting(cands, D)
 

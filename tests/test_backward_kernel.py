@@ -163,6 +163,8 @@ def test_heuristic_fits_shared_memory(D):
     assert config.role_split and not config.split_dkv
     gpu = BackwardConfig.heuristic(D, 4096, 4096, CAUSAL_BR)
     assert gpu.stages_dkv == 2 and gpu.num_stages == 2  # the GPU keeps two slots
+    # The dq kernel: two warpgroups while their q/do tiles and the ring fit.
+    assert gpu.compute_wgs_dq == (2 if D <= 192 else 1)
 
 
 @pytest.mark.parametrize("D, mask, kv_len, block_kv_dq", [
@@ -338,7 +340,7 @@ def _run_each_kernel_with_race_detection(B, Tq, Tk, N, K, D, mask, config,
   q, k, v, do = make_inputs(jax.random.key(11), B, Tq, Tk, N, K, D, BF16)
   o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=mask)
   params = plgpu.InterpretGPUParams(detect_races=True)
-  pad_to = np.lcm(config.dq_rows_per_cta, config.block_q_dkv)
+  pad_to = np.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
   lse2, delta = backward.backward_residuals(o, lse, do, int(pad_to))
   kwargs = dict(q_len=Tq, kv_len=Tk, scale=0.125, mask=mask, config=config,
                 interpret=params)
@@ -1716,125 +1718,3 @@ def test_gpu_role_split_options(name):
   B, Tq, Tk, N, K, mask, opts = GPU_OPTION_CASES[name]
   check_opts(B, Tq, Tk, N, K, 256, BF16, mask, interpret=False,
              config=with_roles(256, mask), seed=Tq, **opts)
-
-
-# ----------------------------------------------------------------------------
-# The dq kernel split by role (BackwardConfig.role_split_dq)
-# ----------------------------------------------------------------------------
-
-def with_dq_roles(D, mask=CAUSAL_BR, **kw):
-  """The heuristic's config for D with the dq kernel split by role."""
-  base = BackwardConfig.heuristic(D, 256, 256, mask)
-  return dataclasses.replace(base, compute_wgs_dq=2, block_kv_dq=64,
-                             role_split_dq=True, **kw)
-
-
-def test_role_split_dq_config_rules():
-  for kw in (dict(compute_wgs_dq=1), dict(deterministic=False), dict(num_stages=1)):
-    with pytest.raises(ValueError, match="role_split_dq=True needs"):
-      BackwardConfig(role_split_dq=True, **kw)
-  with pytest.raises(ValueError, match="role_split_dq=1 must be a bool"):
-    BackwardConfig(role_split_dq=1)
-  # One q/do tile per CTA and a float32 p tile: a 2-slot ring fits at D = 256,
-  # where two warpgroups with a q/do tile each do not.
-  two = BackwardConfig(block_kv_dq=64, compute_wgs_dq=2, role_split=True,
-                       num_stages=2)
-  with pytest.raises(ValueError, match="dq kernel"):
-    two.check_fits(256)
-  roles = dataclasses.replace(two, role_split_dq=True)
-  roles.check_fits(256)
-  assert roles.dq_rows_per_cta == 64 and two.dq_rows_per_cta == 128
-  assert (roles.smem_bytes(256)[0] == two.smem_bytes(256)[0]
-          - 2 * 64 * 256 * 2 - 2 * 64 * 4 + 64 * 64 * 4)
-
-
-@pytest.mark.parametrize("D", [64, 256])
-def test_role_split_dq_lowers_for_cuda_within_its_estimate(monkeypatch, D):
-  """The register-operand path lowers (p loaded from its float32 tile, ds
-  from registers into dq) and Mosaic GPU's own smem count of the dq kernel is
-  within a KiB of the estimate."""
-  config = with_dq_roles(D, num_stages=2)
-  q = jnp.zeros((1, 300, 2, D), BF16)
-  k = jnp.zeros((1, 260, 1, D), BF16)
-  lse = jnp.zeros((1, 2, 300), jnp.float32)
-  f = functools.partial(attention_backward, scale=0.1, mask=CAUSAL_BR, config=config)
-  dq, _ = lowered_smem_totals(monkeypatch, f, q, k, k, q, lse, q)
-  assert abs(dq - config.smem_bytes(D)[0]) < 1024, (dq, config.smem_bytes(D))
-  assert dq <= backward.SMEM_LIMIT_BYTES
-
-
-ROLE_DQ_INTERPRET_CASES = [
-    # B, Tq, Tk, N, K, D, dtype, mask, do_ones
-    (1, 72, 130, 2, 1, 256, F16, CAUSAL_BR, False),
-    (1, 200, 150, 2, 1, 64, BF16, CAUSAL_BR, False),   # dead rows, GQA
-    (1, 150, 200, 3, 1, 128, F16, CAUSAL_TL, True),
-    (1, 190, 210, 1, 1, 64, F16, W(window_left=40, window_right=10), False),
-    (1, 5, 3, 1, 1, 64, BF16, CAUSAL_BR, False),
-]
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask,do_ones", ROLE_DQ_INTERPRET_CASES)
-def test_interpret_role_split_dq_matches_reference(B, Tq, Tk, N, K, D, dtype, mask,
-                                                   do_ones):
-  # Two slots fit the dq kernel at D = 256 with interpret mode's ds staging;
-  # the dk/dv kernel's staging leaves it one there.
-  config = with_dq_roles(D, mask, num_stages=2,
-                         num_stages_dkv=1 if D > 128 else 0)
-  *_, (dq, dk, dv) = check(B, Tq, Tk, N, K, D, dtype, mask, do_ones=do_ones,
-                           config=config, interpret=True, seed=Tq + Tk + 1)
-  dead = dead_query_rows(mask, Tq, Tk)
-  if dead.any():
-    assert not np.asarray(dq.astype(jnp.float32))[:, dead].any()
-
-
-@pytest.mark.interpret
-def test_interpret_role_split_dq_race_free():
-  """5 key tiles of 64 through a 2-slot ring, each p handed over in one
-  shared tile: rewritten only after warpgroup 1 has read the previous one."""
-  _run_each_kernel_with_race_detection(1, 130, 300, 2, 1, 64, CAUSAL_TL,
-                                       with_dq_roles(64, num_stages=2))
-
-
-@pytest.mark.interpret
-def test_interpret_role_split_dq_with_options():
-  """Lengths, segment ids and a soft cap (p goes over times 1 - tanh^2),
-  race-detected, against the reference."""
-  ids = _packed(30, 1, 70, 29)
-  params = plgpu.InterpretGPUParams(detect_races=True)
-  try:
-    check_opts(1, 130, 130, 2, 1, 64, F16, CAUSAL_TL, interpret=params,
-               config=with_dq_roles(64), q_segment_ids=[ids], kv_segment_ids=[ids],
-               q_lengths=[120], kv_lengths=[101], softcap=3.0, scale=0.4)
-    assert not interpret_pallas_call.get_races().races_found, "race"
-  finally:
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("D", [256, 128, 64])
-@pytest.mark.parametrize("B,Tq,Tk,N,K,dtype,mask", [
-    (1, 1023, 1024, 7, 1, BF16, CAUSAL_TL),
-    (2, 4224, 4224, 4, 4, F16, NO_MASK),
-    (1, 799, 3, 2, 2, BF16, CAUSAL_BR),
-    (1, 2000, 2000, 2, 1, F16, W(window_left=300, window_right=0)),
-])
-def test_gpu_role_split_dq(B, Tq, Tk, N, K, dtype, mask, D):
-  config = with_dq_roles(D, mask)
-  # test_gpu_role_split's inputs. (With seed Tq + D + 1, the (799, 3) case's dq
-  # error is 4.1 times the bfloat16 reference's, identical with the default
-  # dq kernel in interpret mode: its 3 visible rows make that ratio noisy.)
-  q, k, v, do, grads = check(B, Tq, Tk, N, K, D, dtype, mask, config=config,
-                             seed=Tq + D)
-  again = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=config)
-  for a, b in zip(grads, again):  # no atomics: bitwise reproducible
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["lengths_causal_br", "softcap_lengths_gqa",
-                                  "segments_window_lengths"])
-def test_gpu_role_split_dq_options(name):
-  B, Tq, Tk, N, K, mask, opts = GPU_OPTION_CASES[name]
-  check_opts(B, Tq, Tk, N, K, 256, BF16, mask, interpret=False,
-             config=with_dq_roles(256, mask), seed=Tq + 1, **opts)

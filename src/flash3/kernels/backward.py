@@ -96,11 +96,6 @@ from flash3.visibility import MaskSpec, keys_in_reach, queries_in_reach
 
 _SMEM_RESERVED_BYTES = 1024
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-# BackwardConfig.role_split_dq: setmaxnreg of (warpgroup 0: s and p, warpgroup
-# 1: dp, ds and the float32 (64, D) dq, the producer); 128 * sum <= 65536.
-# The same total as two compute warpgroups of 232 (a launch of 384 threads
-# starts at 168 each; the producer's release pays for both increases).
-ROLE_DQ_REGISTERS = (208, 256, 40)
 # Optional inputs of ``attention_backward`` that pass the tests (issue 6); the
 # API runs the XLA reference backward for the others. Sinks need nothing here.
 SUPPORTED_FEATURES = frozenset({"lengths", "segments", "softcap"})
@@ -207,17 +202,6 @@ class BackwardConfig:
       23-31% longer than
       the default (a CTA covers half as many keys, so q and do stream twice
       as often per key).
-    role_split_dq: the dq kernel's two compute warpgroups share one tile of
-      ``block_q_dq`` query rows and split the work by role: warpgroup 0 forms
-      s = q k^T and p, and hands p (times 1 - tanh^2 under a soft cap) over in
-      float32 through shared memory; warpgroup 1 forms dp = do v^T,
-      ds = p (dp - delta) and dq += ds k. One q/do tile per CTA leaves room
-      for a two-slot K/V ring at head_dim 256, where two warpgroups with a
-      tile each do not fit and one warpgroup runs the three matmuls and the
-      softmax in series. Needs compute_wgs_dq 2, deterministic and
-      num_stages >= 2;
-      ``overlap_matmuls`` does not apply. Warpgroup 1 holds the float32
-      (block_q_dq, D) dq and takes ``ROLE_DQ_REGISTERS``, warpgroup 0 the rest.
   """
 
   block_q_dq: int = 64
@@ -239,13 +223,6 @@ class BackwardConfig:
   producer_registers: int = 40
   num_stages_dkv: int = 0
   role_split: bool = False
-  role_split_dq: bool = False
-
-  @property
-  def dq_rows_per_cta(self) -> int:
-    """Query rows per CTA of the dq kernel: a tile per warpgroup, or one they
-    share (``role_split_dq``)."""
-    return self.block_q_dq * (1 if self.role_split_dq else self.compute_wgs_dq)
 
   @property
   def stages_dkv(self) -> int:
@@ -263,8 +240,7 @@ class BackwardConfig:
     check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0,
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
-                 "share_dq", "overlap_matmuls", "pair_dq", "role_split",
-                 "role_split_dq"):
+                 "share_dq", "overlap_matmuls", "pair_dq", "role_split"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):
@@ -272,14 +248,6 @@ class BackwardConfig:
           f"role_split=True needs compute_wgs_dkv=2, deterministic=True and "
           f"split_dkv=False; got compute_wgs_dkv={self.compute_wgs_dkv}, "
           f"deterministic={self.deterministic}, split_dkv={self.split_dkv}")
-    if self.role_split_dq and (self.compute_wgs_dq != 2 or not self.deterministic
-                               or self.num_stages < 2):
-      # One slot: warpgroup 1 waits for tile t + 1's V before it releases
-      # tile t's slot, which that load needs: deadlock.
-      raise ValueError(
-          f"role_split_dq=True needs compute_wgs_dq=2, deterministic=True and "
-          f"num_stages >= 2; got compute_wgs_dq={self.compute_wgs_dq}, "
-          f"deterministic={self.deterministic}, num_stages={self.num_stages}")
     if self.pair_dq and (self.deterministic or self.share_dq or not self.overlap_matmuls):
       raise ValueError(
           f"pair_dq=True needs deterministic=False, share_dq=False and "
@@ -301,13 +269,10 @@ class BackwardConfig:
     """Shared memory per CTA of (the dq kernel, the dk/dv kernel), in bytes."""
     w, s = self.compute_wgs_dq, self.num_stages
     bq, bk = self.block_q_dq, self.block_kv_dq
-    tiles = 1 if self.role_split_dq else w  # q/do tiles: one both share with roles
-    dq = tiles * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
+    dq = w * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
     dq += s * 2 * bk * head_dim * itemsize  # K, V ring
-    if self.role_split_dq:
-      dq += bq * bk * 4  # p, float32, from warpgroup 0 to warpgroup 1
     if interpret:
-      dq += (1 if self.role_split_dq else w) * bq * bk * itemsize  # ds staging
+      dq += w * bq * bk * itemsize  # ds staging
     w, s = self.compute_wgs_dkv, self.stages_dkv
     bq, bk = self.block_q_dkv, self.block_kv_dkv
     # K, V (reused for dk, dv): one tile per warpgroup, one in all with roles.
@@ -388,10 +353,15 @@ class BackwardConfig:
       # registers: the dk/dv kernel's warpgroups hold one each (role_split;
       # fifteenth session: 1.10-1.22 of cuDNN's backward at T 4096 and 16384,
       # against 0.86-0.96 with the dk and dv launches of split_dkv; head dims
-      # between 128 and 256 follow, timed on no GPU yet). One compute
-      # warpgroup keeps the dq kernel's ring within smem.
-      config = cls(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
+      # between 128 and 256 follow, D = 192 timed in the sixteenth). The dq
+      # kernel takes two compute warpgroups where their q/do tiles and a
+      # two-slot ring fit (D <= 192; at D = 192 its time fell 27-30%, the
+      # backward from 1.16-1.33 to 1.31-1.50 of cuDNN's, sixteenth session,
+      # docs/benchmarks/h200/2026-12-02-s16/README.md), else one.
+      config = cls(block_kv_dq=64, compute_wgs_dq=2, block_q_dkv=64,
                    compute_wgs_dkv=2, num_stages=2, role_split=True)
+      if config.smem_bytes(head_dim, 2, interpret=interpret)[0] > SMEM_LIMIT_BYTES:
+        config = dataclasses.replace(config, compute_wgs_dq=1)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if packed and causal and head_dim <= 128:
       config = dataclasses.replace(config, block_kv_dq=64, block_q_dkv=64)
@@ -563,38 +533,6 @@ def _drain_loop(lo, hi, slot_of, ready_barriers, consumed, then=None):
 # The dq kernel.
 
 
-def _dq_plan(q_lo, *, mask, ql, kl, shift, bq: int, bk: int, seg_refs, b):
-  """The dq kernel's key tiles (``_tile_plan``) for query rows [q_lo, q_lo + bq)."""
-  q_hi = jnp.minimum(q_lo + bq, ql)
-  k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kl)
-  f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kl)
-  plan = _tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
-  if seg_refs is not None:
-    tile = lax.div(q_lo, jnp.int32(bq))
-    plan = _limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
-  return plan
-
-
-def _dq_keep(t, q_lo, q_seg, *, mask, shift, ql, kl, shape, lens, seg_refs, b):
-  """Which (query, key) pairs of query rows q_lo.. and key tile t are visible
-  (WGMMA layout, ``shape`` = (rows, keys per tile)); ``q_seg`` holds the rows'
-  segment ids (one per row) when ``seg_refs`` is given."""
-  bk = shape[1]
-  q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                        layout=plgpu.Layout.WGMMA)
-  k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                          layout=plgpu.Layout.WGMMA)
-  keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kl)
-  if lens is not None:
-    keep = keep & (q_ids < ql)
-  if seg_refs is not None:
-    k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
-                       layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-    keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0])
-                   == lax.broadcast_in_dim(k_seg, shape, [1]))
-  return keep
-
-
 def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
              interpret, lengths=None, segments=None, softcap=None):
   """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
@@ -603,11 +541,6 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   ``segments``: None or (q_ids, kv_ids, ranges): ids padded to whole tiles and
   the (B, query tiles, 4) key tile ranges of ``_segment_tile_ranges``.
   """
-  if config.role_split_dq:
-    return _dq_role_call(q, k, v, do, lse2, delta, q_len=q_len, kv_len=kv_len,
-                         scale=scale, mask=mask, config=config,
-                         interpret=interpret, lengths=lengths,
-                         segments=segments, softcap=softcap)
   batch, _, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   group = num_heads // num_kv_heads
@@ -631,8 +564,15 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
 
-    plan_of = functools.partial(_dq_plan, mask=mask, ql=ql, kl=kl, shift=shift,
-                                bq=bq, bk=bk, seg_refs=seg_refs, b=b)
+    def plan_of(q_lo):
+      q_hi = jnp.minimum(q_lo + bq, ql)
+      k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kl)
+      f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kl)
+      plan = _tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
+      if seg_refs is not None:
+        tile = lax.div(q_lo, jnp.int32(bq))
+        plan = _limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
+      return plan
 
     h = lax.axis_index(common.HEADS_AXIS)
     wg = lax.axis_index(common.WG_AXIS)
@@ -662,7 +602,6 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       lse2_row = plgpu.load(lse_smem, layout=row)
       delta_row = plgpu.load(delta_smem, layout=row)
       t_lo, a, b_full, t_hi = _own_sections(plan_of(q_lo), cta_lo, cta_hi)
-      q_seg = None
       if seg_refs is not None:  # This warpgroup's query ids, one per row.
         q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(q_lo, bq)], layout=row,
                            optimized=False)
@@ -674,8 +613,18 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         shape = (bq, bk)
         keep = None
         if masked:
-          keep = _dq_keep(t, q_lo, q_seg, mask=mask, shift=shift, ql=ql, kl=kl,
-                          shape=shape, lens=lens, seg_refs=seg_refs, b=b)
+          q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                layout=plgpu.Layout.WGMMA)
+          k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                  layout=plgpu.Layout.WGMMA)
+          keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kl)
+          if lens is not None:
+            keep = keep & (q_ids < ql)
+          if seg_refs is not None:
+            k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
+                               layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0])
+                           == lax.broadcast_in_dim(k_seg, shape, [1]))
 
         def probabilities(s):
           p, th = _probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
@@ -770,198 +719,6 @@ def _dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       num_threads=wgs + 1,
       thread_name=common.WG_AXIS,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=common.interpret_params(interpret),
-  )(q, k, v, do, lse2, delta, *extra)
-
-
-def _dq_role_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask,
-                  config, interpret, lengths=None, segments=None, softcap=None):
-  """``_dq_call`` with ``config.role_split_dq``: one query tile per CTA, its
-  work split by role between the two compute warpgroups.
-
-  Per key tile t: warpgroup 0 waits for K_t, forms s = q K_t^T and releases
-  its use of the slot, forms p and waits until warpgroup 1 has read the
-  previous p, then writes p into ``p_smem`` and signals ``p_ready``.
-  Warpgroup 1 forms dp = do V_t^T while p is on its way, reads p and signals
-  ``p_free``, forms ds and issues dq += ds K_t together with the next tile's
-  dp, and releases the slot. Warpgroup 0 runs up to a tile ahead; the
-  producer refills a slot once both released it.
-  """
-  batch, _, num_heads, head_dim = q.shape
-  group = num_heads // k.shape[2]
-  dtype = q.dtype
-  stages, bq, bk = config.num_stages, config.block_q_dq, config.block_kv_dq
-  staged = not common.uses_register_operands(interpret)
-  num_q_tiles = pl.cdiv(q_len, bq)
-  shape = (bq, bk)
-  extra = ((*lengths,) if lengths is not None else ()) + (
-      (*segments,) if segments is not None else ())
-
-  def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-    extra_refs, rest = rest[:len(extra)], rest[len(extra):]
-    (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, p_smem,
-     staging, q_bars, vec_bars, k_bars, v_bars, consumed, p_ready, p_free) = rest
-    b = lax.axis_index(common.BATCH_AXIS)
-    lens, seg_refs = _split_extras(extra_refs, lengths is not None,
-                                   segments is not None, b)
-    ql, kl = (q_len, kv_len) if lens is None else lens
-    shift = mask.shift(ql, kl)
-    h = lax.axis_index(common.HEADS_AXIS)
-    wg = lax.axis_index(common.WG_AXIS)
-    kv_head = lax.div(h, jnp.int32(group))
-    q_lo = common.grid_index(common.Q_TILES_AXIS, num_q_tiles,
-                             config.reverse_q_tiles) * bq
-    plan = _dq_plan(q_lo, mask=mask, ql=ql, kl=kl, shift=shift, bq=bq, bk=bk,
-                    seg_refs=seg_refs, b=b)
-    # One tile of rows: the CTA's range is the plan's, nothing to drain.
-    t_lo, a, b_full, t_hi = _own_sections(plan, *_union([plan]))
-    slot_of = lambda t: lax.rem(t - t_lo, jnp.int32(stages))
-    rows = (b, pl.ds(q_lo, bq), h)
-    vec = (b, h, pl.ds(q_lo, bq))
-    row = plgpu.Layout.WGMMA.reduce(1)
-    wgmma = plgpu.Layout.WGMMA
-    bcast = lambda x: lax.broadcast_in_dim(x, shape, [0])
-
-    def load_rows(src, dst, vec_src, vec_dst, role):
-      """This warpgroup's query-row inputs: q and lse, or do and delta."""
-      plgpu.copy_gmem_to_smem(src.at[rows], dst, q_bars.at[role])
-      plgpu.copy_gmem_to_smem(vec_src.at[vec], vec_dst, vec_bars.at[role])
-      plgpu.barrier_wait(q_bars.at[role])
-      plgpu.barrier_wait(vec_bars.at[role])
-      q_seg = None
-      if seg_refs is not None:
-        q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(q_lo, bq)], layout=row,
-                           optimized=False)
-      keep_of = functools.partial(
-          _dq_keep, q_lo=q_lo, q_seg=q_seg, mask=mask, shift=shift, ql=ql,
-          kl=kl, shape=shape, lens=lens, seg_refs=seg_refs, b=b)
-      return plgpu.load(vec_dst, layout=row), keep_of
-
-    def sections(step, carry):
-      for lo, hi, masked in ((t_lo, a, True), (a, b_full, False),
-                             (b_full, t_hi, True)):
-        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
-      return carry
-
-    @pl.when(wg == 0)
-    def _scores():
-      plgpu.set_max_registers(ROLE_DQ_REGISTERS[0], action="increase")
-      lse2_row, keep_of = load_rows(q_ref, q_smem, lse_ref, lse_smem, 0)
-
-      def step(t, carry, masked: bool):
-        slot = slot_of(t)
-        plgpu.barrier_wait(k_bars.at[slot])
-        s = common.matmul_smem(q_smem, k_ring.at[slot].transpose((1, 0)), shape)
-        plgpu.barrier_arrive(consumed.at[slot])  # K_t read; V_t is not ours.
-        p, th = _probabilities(s, bcast(lse2_row), scale=scale, softcap=softcap,
-                               fma_cols=config.exp2_fma_cols, guard=staged)
-        if masked:
-          p = jnp.where(keep_of(t), p, 0.0)
-        p = _through_softcap(p, th)
-        plgpu.barrier_wait(p_free.at[0])  # Warpgroup 1 has read the previous p.
-        p_smem[...] = p
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready.at[0])
-        return carry
-
-      sections(step, None)
-      # Observe warpgroup 1's last release of p (its first one comes before
-      # any p: one more release than tiles).
-      plgpu.barrier_wait(p_free.at[0])
-
-    @pl.when(wg == 1)
-    def _dq():
-      plgpu.set_max_registers(ROLE_DQ_REGISTERS[1], action="increase")
-      delta_row, keep_of = load_rows(do_ref, do_smem, delta_ref, delta_smem, 1)
-      plgpu.barrier_arrive(p_free.at[0])  # p_smem starts free.
-
-      def dp_of(v_tile):
-        return common.matmul_smem(do_smem, v_tile.transpose((1, 0)), shape)
-
-      def step(t, carry, masked: bool):
-        # dp of tile t came with the previous step's dq; this one issues
-        # dq += ds_t K_t and dp of tile t + 1 back to back.
-        dq, dp = carry
-        slot, nxt = slot_of(t), slot_of(t + 1)
-        plgpu.barrier_wait(p_ready.at[0])
-        p = plgpu.load(p_smem, layout=wgmma)
-        plgpu.barrier_arrive(p_free.at[0])
-        ds = p * (dp - bcast(delta_row))
-        if masked:  # Select, so NaN/inf in masked V rows cannot leak.
-          ds = jnp.where(keep_of(t), ds, 0.0)
-        plgpu.barrier_wait(k_bars.at[slot])
-        # After the last tile no load comes: that dp reads whatever the slot
-        # holds and is dropped.
-        pl.when(t + 1 < t_hi)(lambda: plgpu.barrier_wait(v_bars.at[nxt]))
-        dq, dp = common.accumulate_then_matmul(
-            dq, ds.astype(dtype), k_ring.at[slot], do_smem,
-            v_ring.at[nxt].transpose((1, 0)), staging=staging)
-        plgpu.barrier_arrive(consumed.at[slot])
-        return dq, dp
-
-      pl.when(t_lo < t_hi)(lambda: plgpu.barrier_wait(v_bars.at[slot_of(t_lo)]))
-      dp = dp_of(v_ring.at[slot_of(t_lo)])  # Dropped if the CTA has no tile.
-      dq, _ = sections(step, (plgpu.layout_cast(
-          jnp.zeros((bq, head_dim), jnp.float32), wgmma), dp))
-      dq = dq * scale
-      if lens is not None:  # Rows past q_len: exactly 0 (selected).
-        q_row = q_lo + plgpu.broadcasted_iota(jnp.int32, dq.shape, 0, layout=wgmma)
-        dq = jnp.where(q_row < ql, dq, 0.0)
-      do_smem[...] = dq.astype(dtype)  # Every dp has read do.
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(do_smem, dq_ref.at[rows])
-      common.wait_final_stores()
-
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(ROLE_DQ_REGISTERS[2], action="decrease")
-
-      def load(t):
-        slot = slot_of(t)
-        keys = (b, pl.ds(t * bk, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_bars.at[slot])
-
-      for i in range(stages):
-        pl.when(t_lo + i < t_hi)(functools.partial(load, t_lo + i))
-
-      def refill(t, carry):
-        plgpu.barrier_wait(consumed.at[slot_of(t)])
-        load(t)
-        return carry
-      lax.fori_loop(t_lo + stages, t_hi, refill, None)
-      if common.drains_barriers(interpret):  # As in ``_dq_call``.
-        def drain(t, carry):
-          plgpu.barrier_wait(consumed.at[slot_of(t)])
-          return carry
-        lax.fori_loop(jnp.maximum(t_hi - stages, t_lo), t_hi, drain, None)
-
-  swizzle = common.smem_swizzle_transforms(head_dim, dtype.itemsize)
-  tile = lambda *shape_: plgpu.SMEM(shape_, dtype, transforms=swizzle)
-  scratch = [
-      tile(bq, head_dim), tile(bq, head_dim),
-      plgpu.SMEM((bq,), jnp.float32), plgpu.SMEM((bq,), jnp.float32),
-      tile(stages, bk, head_dim), tile(stages, bk, head_dim),
-      plgpu.SMEM(shape, jnp.float32,
-                 transforms=common.smem_swizzle_transforms(bk, 4)),
-      (plgpu.SMEM(shape, dtype,
-                  transforms=common.smem_swizzle_transforms(bk, dtype.itemsize))
-       if staged else None),
-      plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
-      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1),
-  ]
-  return plgpu.kernel(
-      dq_kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      scratch_types=scratch,
-      grid=(num_heads, num_q_tiles, batch),
-      grid_names=(common.HEADS_AXIS, common.Q_TILES_AXIS, common.BATCH_AXIS),
-      num_threads=3,
-      thread_name=common.WG_AXIS,
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           reduction_scratch_bytes=0),
       interpret=common.interpret_params(interpret),
   )(q, k, v, do, lse2, delta, *extra)
 
@@ -1516,15 +1273,15 @@ def _segment_inputs(q_ids, kv_ids, config: BackwardConfig):
   Computed once per call in XLA: O(B * tiles_q * tiles_kv) int work.
   """
   tq, tk = q_ids.shape[1], kv_ids.shape[1]
-  rq, bq, bk = config.dq_rows_per_cta, config.block_q_dq, config.block_kv_dq
+  wq, bq, bk = config.compute_wgs_dq, config.block_q_dq, config.block_kv_dq
   dq_ranges = _segment_tile_ranges(
       q_ids, kv_ids, block_q=bq, block_kv=bk,
-      num_q_tiles=pl.cdiv(tq, rq) * (rq // bq), num_kv_tiles=pl.cdiv(tk, bk))
+      num_q_tiles=pl.cdiv(tq, wq * bq) * wq, num_kv_tiles=pl.cdiv(tk, bk))
   wk, bk2, bq2 = config.compute_wgs_dkv, config.block_kv_dkv, config.block_q_dkv
   dkv_ranges = _segment_tile_ranges(
       kv_ids, q_ids, block_q=bk2, block_kv=bq2,
       num_q_tiles=pl.cdiv(tk, wk * bk2) * wk, num_kv_tiles=pl.cdiv(tq, bq2))
-  lq = max(pl.cdiv(tq, rq) * rq, pl.cdiv(tq, bq2) * bq2)
+  lq = max(pl.cdiv(tq, wq * bq) * wq * bq, pl.cdiv(tq, bq2) * bq2)
   lk = max(pl.cdiv(tk, bk) * bk, pl.cdiv(tk, wk * bk2) * wk * bk2)
   q_ids = jnp.pad(q_ids, ((0, 0), (0, lq - tq)))
   kv_ids = jnp.pad(kv_ids, ((0, 0), (0, lk - tk)))
@@ -1638,7 +1395,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   if kv8 != kv_len:
     pad = ((0, 0), (0, kv8 - kv_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-  pad_to = math.lcm(config.dq_rows_per_cta, config.block_q_dkv)
+  pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
   lse2, delta = backward_residuals(o, lse, do, pad_to, delta)
   if lengths is not None:
     # Rows past q_len: p = 0 (lse +inf) and delta 0, whatever o or lse hold.

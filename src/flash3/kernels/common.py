@@ -172,28 +172,6 @@ def accumulate_register_lhs(acc: jax.Array, a: jax.Array, b_ref, *,
   return acc + matmul_smem(staging, b_ref, acc.shape, while_running)
 
 
-def accumulate_then_matmul(acc: jax.Array, a: jax.Array, b_ref, a2_ref, b2_ref,
-                           *, staging=None) -> tuple[jax.Array, jax.Array]:
-  """(``acc + a @ b_ref``, ``a2_ref @ b2_ref``): the two wgmmas issued back to
-  back before one wait, so the tensor cores go from one to the next.
-
-  ``a`` in registers as in ``accumulate_register_lhs`` (``staging`` as there);
-  ``a2_ref``, ``b2_ref`` in shared memory; the second product is float32 of
-  shape (a2 rows, b2 columns). Interpret mode runs them one after the other.
-  """
-  shape2 = (a2_ref.shape[0], b2_ref.shape[1])
-  if staging is not None:
-    return (accumulate_register_lhs(acc, a, b_ref, staging=staging),
-            matmul_smem(a2_ref, b2_ref, shape2))
-
-  def body(refs):
-    r1, r2 = refs
-    plgpu.wgmma(r1, a, b_ref)
-    plgpu.wgmma(r2, a2_ref, b2_ref)
-  zeros = plgpu.layout_cast(jnp.zeros(shape2, jnp.float32), plgpu.Layout.WGMMA)
-  return pl.run_state(body)((plgpu.ACC.init(acc), plgpu.ACC.init(zeros)))
-
-
 def matmul_smem_sum(pairs, shape: tuple[int, int]) -> jax.Array:
   """``sum(a @ b for a, b in pairs)`` (all in shared memory), float32.
 
