@@ -9,8 +9,8 @@ the forward with overlapped softmax (grid, persistent), the other ping-pong mode
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
 and both backwards in the plain matmul order (overlap_matmuls=False); last, D=128's
 192-key tiles (its non-causal default for long keys), and the dk/dv kernel split
-by role (``BackwardConfig.role_split``) at D = 64 and 256 with lengths, segments
-and a soft cap.
+by role (``BackwardConfig.role_split``) at D = 64, 192 (with two dq warpgroups)
+and 256, with lengths, segments and a soft cap.
 
 ``--only role_split`` runs that last group alone (a kernel new since the last
 full run, checked in a short device call).
@@ -33,12 +33,14 @@ def role_split_cases():
   (query i sees keys up to i - 10 of its own document): most tiles are
   visible, and the run fails unless dk and dv get nonzero entries."""
   keys = jax.random.split(jax.random.key(1), 4)
-  for d in (64, 256):
+  for d in (64, 192, 256):
     qr = jax.random.normal(keys[0], (1, 300, 2, d), jnp.bfloat16)
     kr, vr = (jax.random.normal(kk, (1, 300, 1, d), jnp.bfloat16) for kk in keys[1:3])
     ids = jnp.repeat(jnp.arange(3), 100)[None]
-    config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=1, block_q_dkv=64,
-                            num_stages=2, role_split=True)
+    # D = 192: the dq kernel with two warpgroups, its default there since the
+    # sixteenth session.
+    config = BackwardConfig(block_kv_dq=64, compute_wgs_dq=2 if d == 192 else 1,
+                            block_q_dkv=64, num_stages=2, role_split=True)
     grads = attention_backward(
         qr, kr, vr, qr, jnp.zeros((1, 2, 300), jnp.float32), qr, scale=0.1,
         mask=MaskSpec(causal=True, alignment="bottom_right"), config=config,
