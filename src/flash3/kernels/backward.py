@@ -353,11 +353,12 @@ class BackwardConfig:
       # registers: the dk/dv kernel's warpgroups hold one each (role_split;
       # fifteenth session: 1.10-1.22 of cuDNN's backward at T 4096 and 16384,
       # against 0.86-0.96 with the dk and dv launches of split_dkv; head dims
-      # between 128 and 256 follow, D = 192 timed in the sixteenth). The dq
-      # kernel takes two compute warpgroups where their q/do tiles and a
-      # two-slot ring fit (D <= 192; at D = 192 its time fell 27-30%, the
-      # backward from 1.16-1.33 to 1.31-1.50 of cuDNN's, sixteenth session,
-      # docs/benchmarks/h200/2026-12-02-s16/README.md), else one.
+      # between 128 and 256 follow, D = 160 and 192 timed in the sixteenth).
+      # The dq kernel takes two compute warpgroups where their q/do tiles and
+      # a two-slot ring fit (up to D = 200): at D = 160 and 192 its time fell
+      # 25-37% and the backward went from 1.15-1.49 to 1.33-1.76 of cuDNN's
+      # (sixteenth session, docs/benchmarks/h200/2026-12-02-s16/README.md).
+      # At D = 256 only one fits with two slots (one slot was 76% slower).
       config = cls(block_kv_dq=64, compute_wgs_dq=2, block_q_dkv=64,
                    compute_wgs_dkv=2, num_stages=2, role_split=True)
       if config.smem_bytes(head_dim, 2, interpret=interpret)[0] > SMEM_LIMIT_BYTES:
