@@ -132,7 +132,10 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
     for kw in (dict(num_stages=3),
                # The default before role_split: dk and dv in two launches.
                dict(compute_wgs_dkv=1, split_dkv=True, role_split=False),
-               dict(num_stages_dkv=1)):
+               dict(num_stages_dkv=1),
+               # The dq kernel's one warpgroup, the default above head_dim
+               # 128 before the sixteenth session (the same as base at 256).
+               dict(compute_wgs_dq=1)):
       cands.append(dataclasses.replace(base, **kw))
   return _fitting(cands, D)
 

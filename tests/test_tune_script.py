@@ -241,3 +241,17 @@ def test_tune_task_runs_on_the_device_only_under_the_lock(monkeypatch, what):
   assert all(held for _, held in ran), ran
   if what == "bwd":
     assert row["kernels_ms"] == {"dkv_kernel": 0.6, "dq_kernel": 0.4}
+
+
+def test_tune_backward_sweep_above_128_pits_the_dq_warpgroup_counts():
+  """Above head_dim 128 the sweep runs the default (two dq warpgroups where
+  they fit, sixteenth session) beside one, and the old two-launch dk/dv; at
+  D = 256, where only one fits, no candidate repeats."""
+  tune = _tune_module()
+  d192 = tune._bwd_candidates(192, causal=True)
+  assert d192[0].compute_wgs_dq == 2
+  assert {c.compute_wgs_dq for c in d192} == {1, 2}
+  assert any(c.split_dkv for c in d192)
+  d256 = tune._bwd_candidates(256, causal=False)
+  assert all(c.compute_wgs_dq == 1 for c in d256)
+  assert len(d256) == len(set(d256))
