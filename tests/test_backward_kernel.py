@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flash3.kernels import backward
+from flash3.kernels import backward, backward_dkv, backward_dq, backward_tiles
 from flash3.kernels.backward import (BackwardConfig, attention_backward,
                                      unsupported_reason)
 from flash3.visibility import MaskSpec, dense_mask
@@ -344,11 +344,11 @@ def _run_each_kernel_with_race_detection(B, Tq, Tk, N, K, D, mask, config,
   lse2, delta = backward.backward_residuals(o, lse, do, int(pad_to))
   kwargs = dict(q_len=Tq, kv_len=Tk, scale=0.125, mask=mask, config=config,
                 interpret=params)
-  dq = backward._dq_call(q, k, v, do, lse2, delta, **kwargs)
+  dq = backward_dq.dq_call(q, k, v, do, lse2, delta, **kwargs)
   jax.block_until_ready(dq)
   assert not interpret_pallas_call.get_races().races_found, "race in the dq kernel"
   outputs = ("dk",) if config.split_dkv else ("dk", "dv")
-  out = backward._dkv_call(q, k, v, do, lse2, delta, outputs=outputs,
+  out = backward_dkv.dkv_call(q, k, v, do, lse2, delta, outputs=outputs,
                           release_early=release_early, **kwargs)
   jax.block_until_ready(out)
   if release_early:
@@ -386,7 +386,7 @@ def test_interpret_dkv_ring_depth_of_its_own(monkeypatch):
   counted = {}
   for depth in (0, 4):
     c = BackwardConfig(num_stages=2, num_stages_dkv=depth)
-    f = functools.partial(backward._dkv_call, q_len=256, kv_len=256, scale=0.1,
+    f = functools.partial(backward_dkv.dkv_call, q_len=256, kv_len=256, scale=0.1,
                           mask=CAUSAL_BR, config=c, interpret=False, outputs=("dk", "dv"))
     [counted[depth]] = lowered_smem_totals(monkeypatch, f, q, k, v, do, lse2, lse2)
     assert abs(counted[depth] - c.smem_bytes(128)[1]) < 1024, (depth, counted)
@@ -399,7 +399,7 @@ def test_interpret_dkv_ring_depth_of_its_own(monkeypatch):
   lse2, delta = backward.backward_residuals(o, lse, do, 64)
   out = {}
   for c in (config, BackwardConfig(block_kv_dq=64, num_stages=2)):
-    out[c.stages_dkv] = backward._dkv_call(
+    out[c.stages_dkv] = backward_dkv.dkv_call(
         q, k, v, do, lse2, delta, outputs=("dk", "dv"), q_len=300, kv_len=200,
         scale=0.125, mask=CAUSAL_BR, config=c, interpret=plgpu.InterpretGPUParams())
   for a, b in zip(out[3], out[2]):
@@ -673,11 +673,11 @@ def test_tile_plans_cover_mask(mask, Tq, Tk):
         q_hi = min(q_lo + bq, Tq)
         k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, Tk)
         f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, Tk)
-        plans.append(backward._tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk))
-      cta_lo, cta_hi = backward._union(plans)
+        plans.append(backward_tiles.tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk))
+      cta_lo, cta_hi = backward_tiles.union(plans)
       for w, plan in enumerate(plans):
         q_lo = cta * 2 * bq + w * bq
-        sections = backward._own_sections(plan, cta_lo, cta_hi)
+        sections = backward_tiles.own_sections(plan, cta_lo, cta_hi)
         _check_plan(plan, sections, None, keep[q_lo:q_lo + bq], bk, Tk)
     # dk/dv kernel: rows are keys, tiles are queries.
     keep_t = keep.T
@@ -688,11 +688,11 @@ def test_tile_plans_cover_mask(mask, Tq, Tk):
         k_hi = min(k_lo + bk, Tk)
         q_lo, q_hi = mask.query_range(k_lo, k_hi, shift, Tq)
         f_lo, f_hi = mask.full_query_range(k_lo, k_hi, shift, Tq)
-        plans.append(backward._tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq))
-      cta_lo, cta_hi = backward._union(plans)
+        plans.append(backward_tiles.tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq))
+      cta_lo, cta_hi = backward_tiles.union(plans)
       for w, plan in enumerate(plans):
         k_lo = cta * 2 * bk + w * bk
-        sections = backward._own_sections(plan, cta_lo, cta_hi)
+        sections = backward_tiles.own_sections(plan, cta_lo, cta_hi)
         _check_plan(plan, sections, None, keep_t[k_lo:k_lo + bk], bq, Tq)
 
 
@@ -1265,8 +1265,8 @@ def test_segment_tile_plans_cover_mask_and_skip(mask):
       else:
         s_lo, s_hi = mask.key_range(lo, hi, shift, cols_len)
         f_lo, f_hi = mask.full_key_range(lo, hi, shift, cols_len)
-      plan = backward._tile_plan(lo, hi, s_lo, s_hi, f_lo, f_hi, 64)
-      plan = backward._limit_plan(plan, [int(x) for x in ranges[tile]])
+      plan = backward_tiles.tile_plan(lo, hi, s_lo, s_hi, f_lo, f_hi, 64)
+      plan = backward_tiles.limit_plan(plan, [int(x) for x in ranges[tile]])
       nonempty, t_lo, a, b, t_hi = (int(x) for x in plan)
       # Rows past the length need no mask (lse +inf / final select).
       rows = keep_rc[lo:max(hi, lo)]

@@ -1,0 +1,209 @@
+"""The dq kernel of the FlashAttention-3 backward (``flash3.kernels.backward``
+describes both kernels and the algorithm): one CTA per (query head,
+``compute_wgs_dq * block_q_dq`` queries, batch); each compute warpgroup holds
+its q, do, lse, delta tile and walks the key tiles its queries can see while a
+producer warpgroup streams K and V through a ring of shared-memory slots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flash3.kernels import backward_tiles as tiles
+from flash3.kernels import common
+
+
+def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
+             interpret, lengths=None, segments=None, softcap=None):
+  """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
+
+  ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths.
+  ``segments``: None or (q_ids, kv_ids, ranges): ids padded to whole tiles and
+  the (B, query tiles, 4) key tile ranges of ``_segment_tile_ranges``.
+  """
+  batch, _, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  dtype = q.dtype
+  wgs, stages = config.compute_wgs_dq, config.num_stages
+  bq, bk = config.block_q_dq, config.block_kv_dq
+  staged = not common.uses_register_operands(interpret)
+  overlap = config.overlap_matmuls and not staged
+  num_q_tiles = pl.cdiv(q_len, wgs * bq)
+  extra = ((*lengths,) if lengths is not None else ()) + (
+      (*segments,) if segments is not None else ())
+
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    extra_refs, rest = rest[:len(extra)], rest[len(extra):]
+    (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
+     staging2, q_bars, do_bars, lse_bars, delta_bars,
+     k_bars, v_bars, consumed) = rest
+    b = lax.axis_index(common.BATCH_AXIS)
+    lens, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
+                                   segments is not None, b)
+    ql, kl = (q_len, kv_len) if lens is None else lens
+    shift = mask.shift(ql, kl)
+
+    def plan_of(q_lo):
+      q_hi = jnp.minimum(q_lo + bq, ql)
+      k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kl)
+      f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kl)
+      plan = tiles.tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
+      if seg_refs is not None:
+        tile = lax.div(q_lo, jnp.int32(bq))
+        plan = tiles.limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
+      return plan
+
+    h = lax.axis_index(common.HEADS_AXIS)
+    wg = lax.axis_index(common.WG_AXIS)
+    kv_head = lax.div(h, jnp.int32(group))
+    cta_q_lo = common.grid_index(common.Q_TILES_AXIS, num_q_tiles,
+                                 config.reverse_q_tiles) * (wgs * bq)
+    cta_lo, cta_hi = tiles.union([plan_of(cta_q_lo + w * bq) for w in range(wgs)])
+    num_steps = cta_hi - cta_lo
+    slot_of = lambda t: lax.rem(t - cta_lo, jnp.int32(stages))
+
+    @pl.when(wg < wgs)
+    def _compute():
+      tiles.set_registers(wgs, compute=True, config=config)
+      q_lo = cta_q_lo + wg * bq
+      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+      lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+      staging = staging2.at[wg] if staged else None
+      rows = (b, pl.ds(q_lo, bq), h)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bars.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_bars.at[wg])
+      vec = (b, h, pl.ds(q_lo, bq))
+      plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, lse_bars.at[wg])
+      plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
+      for bars in (q_bars, do_bars, lse_bars, delta_bars):
+        plgpu.barrier_wait(bars.at[wg])
+      row = plgpu.Layout.WGMMA.reduce(1)
+      lse2_row = plgpu.load(lse_smem, layout=row)
+      delta_row = plgpu.load(delta_smem, layout=row)
+      t_lo, a, b_full, t_hi = tiles.own_sections(plan_of(q_lo), cta_lo, cta_hi)
+      if seg_refs is not None:  # This warpgroup's query ids, one per row.
+        q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(q_lo, bq)], layout=row,
+                           optimized=False)
+
+      def step(t, dq, masked: bool):
+        slot = slot_of(t)
+        k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
+        plgpu.barrier_wait(k_bars.at[slot])
+        shape = (bq, bk)
+        keep = None
+        if masked:
+          q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+                                                layout=plgpu.Layout.WGMMA)
+          k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                  layout=plgpu.Layout.WGMMA)
+          keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kl)
+          if lens is not None:
+            keep = keep & (q_ids < ql)
+          if seg_refs is not None:
+            k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
+                               layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0])
+                           == lax.broadcast_in_dim(k_seg, shape, [1]))
+
+        def probabilities(s):
+          p, th = tiles.probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
+                                 scale=scale, softcap=softcap,
+                                 fma_cols=config.exp2_fma_cols, guard=staged)
+          return (p if keep is None else jnp.where(keep, p, 0.0)), th
+
+        if overlap:  # GPU: s and dp issued together, p formed while dp runs.
+          plgpu.barrier_wait(v_bars.at[slot])
+          (p, th), dp = common.matmul_pair_first_then(
+              (q_smem, k_smem.transpose((1, 0)), shape),
+              (do_smem, v_smem.transpose((1, 0)), shape), probabilities,
+              tiles.score_like(shape, softcap))
+        else:
+          p, th = probabilities(common.matmul_smem(
+              q_smem, k_smem.transpose((1, 0)), shape))
+          plgpu.barrier_wait(v_bars.at[slot])
+          dp = common.matmul_smem(do_smem, v_smem.transpose((1, 0)), shape)
+        ds = tiles.through_softcap(
+            p * (dp - lax.broadcast_in_dim(delta_row, dp.shape, [0])), th)
+        if masked:  # Select, so NaN/inf in masked V rows cannot leak.
+          ds = jnp.where(keep, ds, 0.0)
+        dq = common.accumulate_register_lhs(dq, ds.astype(dtype), k_smem,
+                                            staging=staging)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32),
+                             plgpu.Layout.WGMMA)
+      tiles.drain_loop(cta_lo, t_lo, slot_of, (k_bars, v_bars), consumed)
+      dq = lax.fori_loop(t_lo, a, functools.partial(step, masked=True), dq)
+      dq = lax.fori_loop(a, b_full, functools.partial(step, masked=False), dq)
+      dq = lax.fori_loop(b_full, t_hi, functools.partial(step, masked=True), dq)
+      tiles.drain_loop(t_hi, cta_hi, slot_of, (k_bars, v_bars), consumed)
+      dq = dq * scale
+      if lens is not None:  # Rows past q_len: exactly 0 (selected).
+        q_row = q_lo + plgpu.broadcasted_iota(jnp.int32, dq.shape, 0,
+                                              layout=plgpu.Layout.WGMMA)
+        dq = jnp.where(q_row < ql, dq, 0.0)
+      q_smem[...] = dq.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+      common.wait_final_stores()
+
+    @pl.when(wg == wgs)
+    def _producer():
+      tiles.set_registers(wgs, compute=False, config=config)
+
+      def load(t):
+        slot = slot_of(t)
+        keys = (b, pl.ds(t * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_bars.at[slot])
+
+      for i in range(stages):
+        pl.when(i < num_steps)(lambda i=i: load(cta_lo + i))
+
+      def refill(t, carry):
+        plgpu.barrier_wait(consumed.at[slot_of(t)])
+        load(t)
+        return carry
+      lax.fori_loop(cta_lo + stages, cta_hi, refill, None)
+      # Observe the last phases too: the interpreter checks it; nothing on the
+      # GPU needs it (``common.DRAIN_BARRIERS`` turns it off there, to time it).
+      if common.drains_barriers(interpret):
+        def drain(t, carry):
+          plgpu.barrier_wait(consumed.at[slot_of(t)])
+          return carry
+        lax.fori_loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi, drain, None)
+
+  swizzle = common.smem_swizzle_transforms(head_dim, dtype.itemsize)
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=swizzle)
+  staging = (plgpu.SMEM((wgs, bq, bk), dtype,
+                        transforms=common.smem_swizzle_transforms(bk, dtype.itemsize))
+             if staged else None)
+  scratch = [
+      tile(wgs, bq, head_dim), tile(wgs, bq, head_dim),
+      plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bq), jnp.float32),
+      tile(stages, bk, head_dim), tile(stages, bk, head_dim),
+      staging,
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+  ]
+  return plgpu.kernel(
+      dq_kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=scratch,
+      grid=(num_heads, num_q_tiles, batch),
+      grid_names=(common.HEADS_AXIS, common.Q_TILES_AXIS, common.BATCH_AXIS),
+      num_threads=wgs + 1,
+      thread_name=common.WG_AXIS,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params(interpret),
+  )(q, k, v, do, lse2, delta, *extra)

@@ -1,0 +1,143 @@
+"""Pieces the two backward kernels share: tile plans (which tiles a warpgroup
+visits, which of them need an elementwise mask), the softmax probabilities
+and the soft cap's chain rule, per-batch extras, register splits and the
+drain of skipped ring slots (``flash3.kernels.backward``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flash3.kernels import common, exp2
+
+
+# Tile ranges. All arithmetic is on int32 scalars (traced or Python ints) and
+# only on non-negative values where it divides, so lax.div is floor division.
+
+
+def _div(x, m: int):
+  return lax.div(x, jnp.int32(m))
+
+
+def _cdiv(x, m: int):
+  return lax.div(x + (m - 1), jnp.int32(m))
+
+
+def _clamp(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def tile_plan(lo, hi, span_lo, span_hi, full_lo, full_hi, block: int):
+  """Tiles of size ``block`` for one warpgroup's row range.
+
+  Args:
+    lo, hi: the warpgroup's own rows (already clipped to the length).
+    span_lo, span_hi: the other axis' positions any of those rows may see.
+    full_lo, full_hi: the positions all of those rows see.
+  Returns:
+    (nonempty, t_lo, a, b, t_hi): tiles [t_lo, t_hi) are visited; those in
+    [a, b) need no elementwise mask.
+  """
+  span_hi = jnp.maximum(span_hi, 0)
+  nonempty = (hi > lo) & (span_hi > span_lo)
+  t_lo = _div(span_lo, block)
+  t_hi = jnp.maximum(_cdiv(span_hi, block), t_lo)
+  a = _clamp(_cdiv(full_lo, block), t_lo, t_hi)
+  b = _clamp(_div(jnp.maximum(full_hi, 0), block), a, t_hi)
+  return nonempty, t_lo, a, b, t_hi
+
+
+def union(plans):
+  """The CTA's tile range: the union of its warpgroups' nonempty ranges."""
+  big = jnp.int32(2**30)
+  lo = functools.reduce(jnp.minimum, [jnp.where(p[0], p[1], big) for p in plans])
+  hi = functools.reduce(jnp.maximum, [jnp.where(p[0], p[4], 0) for p in plans])
+  lo = jnp.where(hi > lo, lo, 0)
+  hi = jnp.maximum(hi, lo)
+  return lo, hi
+
+
+def own_sections(plan, cta_lo, cta_hi):
+  """[cta_lo, t_lo) drain, [t_lo, a) masked, [a, b) full, [b, t_hi) masked, [t_hi, cta_hi) drain."""
+  nonempty, t_lo, a, b, t_hi = plan
+  t_lo = jnp.where(nonempty, _clamp(t_lo, cta_lo, cta_hi), cta_lo)
+  a = jnp.where(nonempty, _clamp(a, t_lo, cta_hi), t_lo)
+  b = jnp.where(nonempty, _clamp(b, a, cta_hi), a)
+  t_hi = jnp.where(nonempty, _clamp(t_hi, b, cta_hi), b)
+  return t_lo, a, b, t_hi
+
+
+def limit_plan(plan, seg):
+  """Intersects a tile plan with segment tile ranges ``[lo, hi, full_lo, full_hi)``."""
+  nonempty, t_lo, a, b, t_hi = plan
+  s_lo, s_hi, f_lo, f_hi = seg
+  t_lo = jnp.maximum(t_lo, s_lo)
+  t_hi = jnp.maximum(jnp.minimum(t_hi, s_hi), t_lo)
+  nonempty = nonempty & (t_hi > t_lo)
+  a = _clamp(jnp.maximum(a, f_lo), t_lo, t_hi)
+  b = _clamp(jnp.minimum(b, f_hi), a, t_hi)
+  return nonempty, t_lo, a, b, t_hi
+
+
+def probabilities(s, lse2, *, scale: float, softcap: float | None,
+                   fma_cols: int = 0, guard: bool = True):
+  """p = exp(scale s (soft-capped) - lse) via exp2, and tanh(scale s / c) or None.
+
+  ``lse2`` is lse * log2(e), already broadcast to s's shape. The first
+  ``fma_cols`` columns take exp2 on the FMA pipes (``exp2.split_exp2``;
+  ``guard`` as there).
+  """
+  if softcap is None:
+    x = s * (scale * common.LOG2_E) - lse2
+    return exp2.split_exp2(x, fma_cols, guard=guard), None
+  th = jnp.tanh(s * (scale / softcap))
+  x = th * (softcap * common.LOG2_E) - lse2
+  return exp2.split_exp2(x, fma_cols, guard=guard), th
+
+
+def score_like(shape, softcap):
+  """Initial values shaped like ``probabilities``' results (run_state outputs)."""
+  zeros = lambda: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+  return zeros(), (None if softcap is None else zeros())
+
+
+def through_softcap(ds, th):
+  """d/ds of c tanh(s / c) is 1 - tanh^2: the chain rule through the soft cap."""
+  return ds if th is None else ds * (1.0 - th * th)
+
+
+def split_extras(refs, has_lengths: bool, has_segments: bool, b):
+  """(q_len, kv_len) scalars (or None) and the segment refs (or None) of one batch row."""
+  refs = list(refs)
+  lens = None
+  if has_lengths:
+    # Per-batch scalars: scalar loads from global memory, kept in registers.
+    q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
+    lens = (q_len_ref[b], kv_len_ref[b])
+  return lens, (tuple(refs) if has_segments else None)
+
+
+def set_registers(num_compute_wgs: int, compute: bool, config) -> None:
+  # setmaxnreg: 64K registers shared by the compute warpgroups and the producer.
+  if num_compute_wgs == 2:
+    plgpu.set_max_registers(
+        config.compute_registers if compute else config.producer_registers,
+        action="increase" if compute else "decrease")
+
+
+def drain_loop(lo, hi, slot_of, ready_barriers, consumed, then=None):
+  """Wait for tiles this warpgroup skips and release them: every waiter sees
+  every phase. ``then(step)``, if given, runs after each release."""
+  def body(step, carry):
+    slot = slot_of(step)
+    for barrier in ready_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+    plgpu.barrier_arrive(consumed.at[slot])
+    if then is not None:
+      then(step)
+    return carry
+  lax.fori_loop(lo, hi, body, None)
