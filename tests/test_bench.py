@@ -380,7 +380,9 @@ def test_seqlens_and_head_dims_filter_a_suite():
                                   ["--list", "--shard", "1"],
                                   ["--list", "--shard", "0/0"],
                                   ["--list", "--compile-jobs", "0"],
-                                  ["--list", "--compile-jobs", "two"]])
+                                  ["--list", "--compile-jobs", "two"],
+                                  ["--list", "--interleave", "-1"],
+                                  ["--list", "--interleave", "3", "--compile-jobs", "1"]])
 def test_bad_arguments_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
@@ -1077,6 +1079,49 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
   assert got[("refuses", "fwd+bwd")].reason == "Unsupported: float16 only"
   assert got[("absent", "bwd")].status == "unavailable"
   assert calls == [3, 3]  # Only the correct contender was timed.
+
+
+def test_runner_interleaves_the_timing_of_contenders(monkeypatch):
+  """--interleave: every contender is checked first, then timed in rounds
+  with the first in each round rotating; each row pools its rounds' runs,
+  and a wrong contender is not timed. The stand-in clock slows down run by
+  run (a card whose clock drifts): interleaved, two equal contenders come
+  out within a round's drift of each other."""
+  order = []
+  state = {"ms": 1.0}
+
+  def fake_measure(fn, args, iterations, warmup):
+    order.append((float(args[-1][0]), iterations, warmup))  # the marker
+    times = []
+    for _ in range(iterations):
+      times.append(state["ms"])
+      state["ms"] += 0.01
+    return timing.Timing(tuple(times))
+
+  monkeypatch.setattr(timing, "measure", fake_measure)
+
+  def stand_in(name, marker, scale=1.0):
+    def fn(q, k, v, m):
+      del m  # Only tells the stand-ins apart in the clock above.
+      return scale * jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    variants = lambda case, tune: [impls.Variant("", fn, aux=(jnp.array([marker]),))]
+    return impls.Implementation(name, name, lambda: None, variants)
+
+  contenders = [stand_in("a", 1.0), stand_in("b", 2.0),
+                stand_in("wrong", 3.0, scale=1.5)]
+  case = Case("t", 1, 64, 64, 2, 2, 64, "bfloat16")
+  options = runner.Options(iterations=6, warmup=1, modes=("fwd",), interleave=3)
+  rows = {(r.impl, r.mode): r for r in runner.run([case], contenders, options)}
+  assert [o[0] for o in order] == [1.0, 2.0, 2.0, 1.0, 1.0, 2.0]
+  assert [o[1] for o in order] == [2] * 6  # ceil(6 / 3) runs per round
+  assert [o[2] for o in order] == [1, 1, 0, 0, 0, 0]  # warm-up in round one
+  a, b = rows[("a", "fwd")], rows[("b", "fwd")]
+  assert a.status == b.status == "ok" and len(a.times_ms) == len(b.times_ms) == 6
+  assert abs(a.median_ms - b.median_ms) <= 0.021
+  assert rows[("wrong", "fwd")].status == "wrong"
+  assert rows[("wrong", "fwd")].median_ms is None
+  with pytest.raises(ValueError, match="interleave"):
+    runner.Options(interleave=2, compile_jobs=1)
 
 
 @pytest.mark.parametrize("causal", [True, False])

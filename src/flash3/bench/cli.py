@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "before checking and timing them one by one, alone on "
                       "the GPU (default 8; 1 compiles each just before it "
                       "runs, keeping one executable at a time)")
+  p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                 help="time a case's contenders in ROUNDS turns, each taking "
+                      "ceil(iterations / ROUNDS) runs per turn, the first in "
+                      "turn rotating, so a GPU clock that drifts during a "
+                      "case slows them alike (default 0: each contender's "
+                      "runs in one block; needs --compile-jobs >= 2)")
   p.add_argument("--out", default="bench-results",
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
@@ -236,6 +242,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.iterations = QUICK_ITERATIONS if args.quick else 10
   if args.iterations < 1 or args.warmup < 0:
     build_parser().error("--iterations must be >= 1 and --warmup >= 0")
+  if args.interleave < 0 or (args.interleave and args.compile_jobs < 2):
+    build_parser().error(f"--interleave {args.interleave}: must be 0, or >= 1 "
+                         f"with --compile-jobs >= 2 (got {args.compile_jobs})")
   if args.quick:
     args.no_tune = True
   return args
@@ -381,7 +390,8 @@ def _main(argv: list[str] | None) -> int:
   env = report.environment(argv)
   options = runner.Options(iterations=args.iterations, warmup=args.warmup,
                            tune=not args.no_tune, modes=tuple(args.modes),
-                           compile_jobs=args.compile_jobs)
+                           compile_jobs=args.compile_jobs,
+                           interleave=args.interleave)
   os.makedirs(args.out, exist_ok=True)
   partial = os.path.join(args.out, "results.json")
   progress = _progress(args.no_progress)

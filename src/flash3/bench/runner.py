@@ -8,7 +8,9 @@ without the GIL, and compiling is nearly all of a case's wall time), the
 reference first as it is the longest; then the reference runs, then the
 contenders one by one, alone on the GPU: run once, check against the reference
 (a wrong result is reported and not timed), time with CUPTI. With
-``compile_jobs=1`` each is compiled just before it runs. A contender's best
+``compile_jobs=1`` each is compiled just before it runs. With ``interleave``
+rounds, a mode's contenders are all checked first and then timed in turns
+(``run_mode_interleaved``). A contender's best
 variant (lowest median) is its result.
 Whatever a contender raises (building, tracing, compiling or running) becomes
 an "unsupported" row with the reason.
@@ -45,6 +47,16 @@ class Options:
   # Functions of a case compiled at once, in threads, before any is run;
   # 1 compiles each just before running it (one executable alive at a time).
   compile_jobs: int = 8
+  # Rounds of interleaved timing (``run_mode_interleaved``; needs
+  # compile_jobs > 1); 0 times each function's runs in one block.
+  interleave: int = 0
+
+  def __post_init__(self):
+    if self.interleave < 0 or (self.interleave and self.compile_jobs < 2):
+      raise ValueError(
+          f"interleave={self.interleave} needs to be 0, or >= 1 with "
+          f"compile_jobs >= 2 (all of a case compiled first); got "
+          f"compile_jobs={self.compile_jobs}")
 
 
 @dataclasses.dataclass
@@ -101,6 +113,30 @@ def variant_args(variant: impls.Variant, inputs) -> tuple:
   return (q, k, v, do, *variant.aux)
 
 
+def check_variant(case: Case, variant: impls.Variant, fn: Callable, args: tuple,
+                  expected: reference.Expected) -> tuple[dict | None, float]:
+  """Runs ``fn(*args)`` once and checks it: (None, error ratio) when it
+  passes, else (the fields of a "wrong" Result, ratio). Raises what the run
+  raised."""
+  outputs = jax.block_until_ready(fn(*args))
+  passed, ratio, detail = reference.check(case, expected, outputs,
+                                          q_grad_scale=variant.q_scale)
+  del outputs
+  if not passed:
+    return dict(status="wrong", reason=detail, check_ratio=ratio), ratio
+  return None, ratio
+
+
+def timed_fields(case: Case, mode: str, measured: timing.Timing,
+                 ratio: float) -> dict:
+  """The fields of an "ok" Result from a checked variant's timing."""
+  flop_count = flops_lib.flops(case, mode)
+  return dict(status="ok", check_ratio=ratio, median_ms=measured.median,
+              min_ms=measured.min, max_ms=measured.max,
+              times_ms=list(measured.times_ms),
+              tflops=flops_lib.tflops_per_s(flop_count, measured.median))
+
+
 def run_variant(case: Case, mode: str, variant: impls.Variant, inputs,
                 expected: reference.Expected, options: Options,
                 fn: Callable | None = None) -> dict:
@@ -113,21 +149,66 @@ def run_variant(case: Case, mode: str, variant: impls.Variant, inputs,
   try:
     if fn is None:
       fn = compile_function(variant, mode, args)
-    outputs = jax.block_until_ready(fn(*args))
-    passed, ratio, detail = reference.check(case, expected, outputs,
-                                            q_grad_scale=variant.q_scale)
-    del outputs
-    if not passed:
-      return dict(status="wrong", reason=detail, check_ratio=ratio)
+    wrong, ratio = check_variant(case, variant, fn, args, expected)
+    if wrong is not None:
+      return wrong
     measured = timing.measure(fn, args, iterations=options.iterations,
                               warmup=options.warmup)
   except Exception as e:  # Any failure of a contender is a reported result.
     return dict(status="unsupported", reason=short_reason(e))
-  flop_count = flops_lib.flops(case, mode)
-  return dict(status="ok", check_ratio=ratio, median_ms=measured.median,
-              min_ms=measured.min, max_ms=measured.max,
-              times_ms=list(measured.times_ms),
-              tflops=flops_lib.tflops_per_s(flop_count, measured.median))
+  return timed_fields(case, mode, measured, ratio)
+
+
+def run_mode_interleaved(case: Case, mode: str, entries, inputs,
+                         expected: reference.Expected,
+                         options: Options) -> dict[str, list[dict]]:
+  """Checks every compiled job of one mode, then times the ones that passed
+  in ``options.interleave`` rounds: each round times every job once
+  (``ceil(iterations / rounds)`` runs), the first in the round rotating, so a
+  GPU whose clock drifts during a case slows every contender alike.
+
+  Args:
+    entries: [(contender name, its compiled ``_Job``s)].
+  Returns:
+    {name: the fields of each of its jobs' Results, in job order}.
+  """
+  fields = {name: [None] * len(jobs) for name, jobs in entries}
+  timed = []  # [name, index, fn, args, ratio, times]
+  for name, jobs in entries:
+    for i, job in enumerate(jobs):
+      if job.error is not None:
+        fields[name][i] = dict(status="unsupported", reason=job.error)
+        continue
+      args = variant_args(job.variant, inputs)
+      try:
+        wrong, ratio = check_variant(case, job.variant, job.compiled, args,
+                                     expected)
+      except Exception as e:  # Any failure of a contender is a reported result.
+        fields[name][i] = dict(status="unsupported", reason=short_reason(e))
+        continue
+      if wrong is not None:
+        fields[name][i] = wrong
+        continue
+      timed.append([name, i, job.compiled, args, ratio, []])
+  rounds = options.interleave
+  per_round = -(-options.iterations // rounds)
+  for r in range(rounds):
+    for entry in timed[r % len(timed):] + timed[:r % len(timed)] if timed else []:
+      name, i, fn, args, ratio, times = entry
+      if fields[name][i] is not None:  # Failed in an earlier round.
+        continue
+      try:
+        measured = timing.measure(fn, args, iterations=per_round,
+                                  warmup=options.warmup if r == 0 else 0)
+      except Exception as e:  # Any failure of a contender is a reported result.
+        fields[name][i] = dict(status="unsupported", reason=short_reason(e))
+        continue
+      times.extend(measured.times_ms)
+  for name, i, _, _, ratio, times in timed:
+    if fields[name][i] is None:
+      fields[name][i] = timed_fields(case, mode, timing.Timing(tuple(times)),
+                                     ratio)
+  return fields
 
 
 @dataclasses.dataclass
@@ -262,6 +343,16 @@ def run_case(case: Case, implementations: list[impls.Implementation],
   if not parallel:  # Variants' arrays only once the reference is done.
     variants, plan = _plan(case, implementations, options, unavailable)
 
+  interleaved = {}
+  if parallel and options.interleave:
+    for mode in options.modes:
+      entries = [(name, jobs) for m, name, jobs in plan
+                 if m == mode and jobs is not None]
+      on_step(f"{case.label()} {mode}, interleaved")
+      t0 = time.monotonic()
+      interleaved[mode] = run_mode_interleaved(case, mode, entries, inputs,
+                                               expectations[mode], options)
+      times.run += time.monotonic() - t0
   out = []
   for mode, name, jobs in plan:
     if jobs is None:
@@ -272,7 +363,13 @@ def run_case(case: Case, implementations: list[impls.Implementation],
       continue
     on_step(f"{name} {case.label()} {mode}")
     best = None
-    for job in jobs:
+    for i, job in enumerate(jobs):
+      if mode in interleaved:  # Checked and timed above.
+        fields = interleaved[mode][name][i]
+        job.compiled = None
+        if best is None or _better(fields, best):
+          best = dict(fields, variant=job.variant.label, config=job.variant.config)
+        continue
       if not parallel:  # Compiled just before its run, as it is dropped after.
         t0 = time.monotonic()
         _compile_job(job, inputs)
