@@ -130,7 +130,8 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
       cands.append(dataclasses.replace(base, **kw))
   else:
     for kw in (dict(num_stages=3),
-               # The default before role_split: dk and dv in two launches.
+               # dk and dv in two launches (the dk/dv default before
+               # role_split; the dq kernel as in base).
                dict(compute_wgs_dkv=1, split_dkv=True, role_split=False),
                dict(num_stages_dkv=1),
                # The dq kernel's one warpgroup, the default above head_dim

@@ -382,7 +382,8 @@ def test_seqlens_and_head_dims_filter_a_suite():
                                   ["--list", "--compile-jobs", "0"],
                                   ["--list", "--compile-jobs", "two"],
                                   ["--list", "--interleave", "-1"],
-                                  ["--list", "--interleave", "3", "--compile-jobs", "1"]])
+                                  ["--list", "--interleave", "3", "--compile-jobs", "1"],
+                                  ["--list", "--interleave", "11"]])
 def test_bad_arguments_exit_2(argv, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
@@ -1122,6 +1123,43 @@ def test_runner_interleaves_the_timing_of_contenders(monkeypatch):
   assert rows[("wrong", "fwd")].median_ms is None
   with pytest.raises(ValueError, match="interleave"):
     runner.Options(interleave=2, compile_jobs=1)
+  with pytest.raises(ValueError, match="interleave"):
+    runner.Options(iterations=3, interleave=4)
+
+
+def test_runner_interleaved_failures_and_nothing_to_time(monkeypatch):
+  """A contender whose timing fails in a later round is reported unsupported
+  and left out of the rounds after; a mode where no contender passes the
+  check times nothing."""
+  calls = []
+
+  def fake_measure(fn, args, iterations, warmup):
+    marker = float(args[-1][0])
+    calls.append(marker)
+    if marker == 2.0 and len(calls) > 2:
+      raise RuntimeError("CUPTI recorded no kernel launch")
+    return timing.Timing((1.0,) * iterations)
+
+  monkeypatch.setattr(timing, "measure", fake_measure)
+
+  def stand_in(name, marker, scale=1.0):
+    def fn(q, k, v, m):
+      del m
+      return scale * jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    variants = lambda case, tune: [impls.Variant("", fn, aux=(jnp.array([marker]),))]
+    return impls.Implementation(name, name, lambda: None, variants)
+
+  case = Case("t", 1, 64, 64, 2, 2, 64, "bfloat16")
+  options = runner.Options(iterations=4, modes=("fwd",), interleave=4)
+  rows = {r.impl: r for r in runner.run(
+      [case], [stand_in("a", 1.0), stand_in("b", 2.0)], options)}
+  assert calls == [1.0, 2.0, 2.0, 1.0, 1.0, 1.0]  # b fails in round two, then no more
+  assert rows["a"].status == "ok" and rows["a"].times_ms == [1.0] * 4
+  assert rows["b"].status == "unsupported"
+  assert rows["b"].reason == "RuntimeError: CUPTI recorded no kernel launch"
+  calls.clear()
+  rows = runner.run([case], [stand_in("wrong", 3.0, scale=1.5)], options)
+  assert calls == [] and rows[0].status == "wrong"
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -178,10 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "runs, keeping one executable at a time)")
   p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                  help="time a case's contenders in ROUNDS turns, each taking "
-                      "ceil(iterations / ROUNDS) runs per turn, the first in "
-                      "turn rotating, so a GPU clock that drifts during a "
-                      "case slows them alike (default 0: each contender's "
-                      "runs in one block; needs --compile-jobs >= 2)")
+                      "ceil(iterations / ROUNDS) runs per turn, in order on "
+                      "even turns and reversed on odd ones, so a GPU clock "
+                      "that drifts during a case slows them alike (an even "
+                      "ROUNDS in [2, iterations]; default 0: each "
+                      "contender's runs in one block; needs --compile-jobs "
+                      ">= 2)")
   p.add_argument("--out", default="bench-results",
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
@@ -242,9 +244,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.iterations = QUICK_ITERATIONS if args.quick else 10
   if args.iterations < 1 or args.warmup < 0:
     build_parser().error("--iterations must be >= 1 and --warmup >= 0")
-  if args.interleave < 0 or (args.interleave and args.compile_jobs < 2):
-    build_parser().error(f"--interleave {args.interleave}: must be 0, or >= 1 "
-                         f"with --compile-jobs >= 2 (got {args.compile_jobs})")
+  if (args.interleave < 0 or args.interleave > args.iterations
+      or (args.interleave and args.compile_jobs < 2)):
+    build_parser().error(
+        f"--interleave {args.interleave}: must be 0, or in [1, --iterations "
+        f"{args.iterations}] with --compile-jobs >= 2 (got {args.compile_jobs})")
   if args.quick:
     args.no_tune = True
   return args

@@ -52,11 +52,12 @@ class Options:
   interleave: int = 0
 
   def __post_init__(self):
-    if self.interleave < 0 or (self.interleave and self.compile_jobs < 2):
+    if (self.interleave < 0 or self.interleave > self.iterations
+        or (self.interleave and self.compile_jobs < 2)):
       raise ValueError(
-          f"interleave={self.interleave} needs to be 0, or >= 1 with "
-          f"compile_jobs >= 2 (all of a case compiled first); got "
-          f"compile_jobs={self.compile_jobs}")
+          f"interleave={self.interleave} needs to be 0, or in [1, iterations="
+          f"{self.iterations}] with compile_jobs >= 2 (all of a case compiled "
+          f"first); got compile_jobs={self.compile_jobs}")
 
 
 @dataclasses.dataclass
@@ -164,8 +165,10 @@ def run_mode_interleaved(case: Case, mode: str, entries, inputs,
                          options: Options) -> dict[str, list[dict]]:
   """Checks every compiled job of one mode, then times the ones that passed
   in ``options.interleave`` rounds: each round times every job once
-  (``ceil(iterations / rounds)`` runs), the first in the round rotating, so a
-  GPU whose clock drifts during a case slows every contender alike.
+  (``ceil(iterations / rounds)`` runs, plus the profiler's untimed warm-up
+  run), in plan order on even rounds and reversed on odd ones, so a GPU whose
+  clock drifts during a case slows every contender alike (an even number of
+  rounds gives every job the same mean position).
 
   Args:
     entries: [(contender name, its compiled ``_Job``s)].
@@ -193,7 +196,7 @@ def run_mode_interleaved(case: Case, mode: str, entries, inputs,
   rounds = options.interleave
   per_round = -(-options.iterations // rounds)
   for r in range(rounds):
-    for entry in timed[r % len(timed):] + timed[:r % len(timed)] if timed else []:
+    for entry in (timed if r % 2 == 0 else timed[::-1]):
       name, i, fn, args, ratio, times = entry
       if fields[name][i] is not None:  # Failed in an earlier round.
         continue
@@ -352,6 +355,10 @@ def run_case(case: Case, implementations: list[impls.Implementation],
       t0 = time.monotonic()
       interleaved[mode] = run_mode_interleaved(case, mode, entries, inputs,
                                                expectations[mode], options)
+      for _, jobs in entries:  # Timed: free the executables before the next mode.
+        for job in jobs:
+          job.compiled = None
+      gc.collect()
       times.run += time.monotonic() - t0
   out = []
   for mode, name, jobs in plan:
@@ -366,7 +373,6 @@ def run_case(case: Case, implementations: list[impls.Implementation],
     for i, job in enumerate(jobs):
       if mode in interleaved:  # Checked and timed above.
         fields = interleaved[mode][name][i]
-        job.compiled = None
         if best is None or _better(fields, best):
           best = dict(fields, variant=job.variant.label, config=job.variant.config)
         continue

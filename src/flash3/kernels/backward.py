@@ -301,7 +301,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     kwargs["segments"] = dkv_segments
     mode = "partials" if common.is_interpret(interpret) else "atomic"
     dk, dv, dq = dkv_call(q, k, v, do, lse2, delta, outputs=("dk", "dv"),
-                           dq_mode=mode, **kwargs)
+                          dq_mode=mode, **kwargs)
     dq = (dq * scale).astype(q.dtype)
     return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
   dq = dq_call(q, k, v, do, lse2, delta, segments=dq_segments, **kwargs)

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from flash3.kernels.config import (SMEM_LIMIT_BYTES, check_bool, check_multiple,
-                                   check_registers, window_key_span)
+from flash3.kernels.config import (SMEM_LIMIT_BYTES, SMEM_RESERVED_BYTES,
+                                   check_bool, check_multiple, check_registers,
+                                   window_key_span)
 from flash3.visibility import MaskSpec
-
-# Barriers and Pallas' 1024-byte alignment of each buffer, per kernel.
-SMEM_RESERVED_BYTES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +83,8 @@ class BackwardConfig:
       ``share_dq``) and the overlapped order, issue dq = ds k before dk +=
       dsT q and send dq's tile while dk's matmul runs, as FlashAttention-3's
       backward does, instead of a separate matmul and wait after dk's
-      (``_dq_product``). GPU path only (interpret mode runs the unpaired
-      order, as for ``overlap_matmuls``). Its GPU tests and racecheck passed
+      (``backward_dkv._dq_product``). GPU path only (interpret mode runs the
+      unpaired order, as for ``overlap_matmuls``). Its GPU tests and racecheck passed
       on an H200 (tenth session); 3-7% faster than the unpaired order on
       three of four head_dim 64 shapes, 1% slower on one: the heuristic takes
       it for deterministic=False at head_dim 64.
@@ -272,15 +270,15 @@ class BackwardConfig:
       # fifteenth session: 1.10-1.22 of cuDNN's backward at T 4096 and 16384,
       # against 0.86-0.96 with the dk and dv launches of split_dkv; head dims
       # between 128 and 256 follow, D = 160 and 192 timed in the sixteenth).
-      # The dq kernel takes two compute warpgroups where their q/do tiles and
-      # a two-slot ring fit (up to D = 200): at D = 160 and 192 its time fell
-      # 25-37% and the backward went from 1.15-1.49 to 1.33-1.76 of cuDNN's
-      # (sixteenth session, docs/benchmarks/h200/2026-12-02-s16/README.md).
-      # At D = 256 only one fits with two slots (one slot was 76% slower).
-      config = cls(block_kv_dq=64, compute_wgs_dq=2, block_q_dkv=64,
-                   compute_wgs_dkv=2, num_stages=2, role_split=True)
-      if config.smem_bytes(head_dim, 2, interpret=interpret)[0] > SMEM_LIMIT_BYTES:
-        config = dataclasses.replace(config, compute_wgs_dq=1)
+      # The dq kernel takes two compute warpgroups up to D = 192 (their q/do
+      # tiles and a two-slot ring fit up to 224, untimed above 192): at
+      # D = 160 and 192 its time fell 25-37% and the backward went from
+      # 1.15-1.49 to 1.33-1.76 of cuDNN's (sixteenth session, docs/benchmarks/
+      # h200/2026-12-02-s16/README.md). At D = 256 only one fits with two
+      # slots (two with one slot were 53-76% slower).
+      config = cls(block_kv_dq=64, compute_wgs_dq=2 if head_dim <= 192 else 1,
+                   block_q_dkv=64, compute_wgs_dkv=2, num_stages=2,
+                   role_split=True)
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if packed and causal and head_dim <= 128:
       config = dataclasses.replace(config, block_kv_dq=64, block_q_dkv=64)

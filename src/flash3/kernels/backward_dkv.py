@@ -21,8 +21,8 @@ from flash3.kernels import common
 
 
 def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-              interpret, outputs: tuple[str, ...], release_early: bool = False,
-              lengths=None, segments=None, softcap=None, dq_mode=None):
+             interpret, outputs: tuple[str, ...], release_early: bool = False,
+             lengths=None, segments=None, softcap=None, dq_mode=None):
   """Returns dk and/or dv (``outputs`` names which) in the input dtype.
 
   ``dq_mode`` (``BackwardConfig.deterministic`` False): also returns the
@@ -83,7 +83,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
      ds_ready, all_done, p_ready) = rest
     b = lax.axis_index(common.BATCH_AXIS)
     lens, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
-                                   segments is not None, b)
+                                        segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
 
@@ -101,7 +101,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     wg = lax.axis_index(common.WG_AXIS)
     cta_k_lo = lax.axis_index(common.KV_TILES_AXIS) * cta_keys
     cta_lo, cta_hi = tiles.union([plan_of(cta_k_lo + w * bk)
-                             for w in range(1 if roles else wgs)])
+                                  for w in range(1 if roles else wgs)])
     tiles_per_head = cta_hi - cta_lo
     # Step i walks query head (i // tiles_per_head) of the group, query tile
     # cta_lo + i % tiles_per_head; all heads see the same tiles.
@@ -156,8 +156,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         sT = common.matmul_smem(k_smem, q_smem.transpose((1, 0)), shape)
         lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
         pT, th = tiles.probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
-                                scale=scale, softcap=softcap,
-                                fma_cols=config.exp2_fma_cols, guard=staged)
+                                     scale=scale, softcap=softcap,
+                                     fma_cols=config.exp2_fma_cols, guard=staged)
         if masked:
           pT = jnp.where(keep_of(t, k_lo, k_seg), pT, 0.0)
         p_ring.at[slot][...] = tiles.through_softcap(pT, th)
@@ -284,8 +284,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
         def probabilities(sT):
           pT, th = tiles.probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
-                                  scale=scale, softcap=softcap,
-                                  fma_cols=config.exp2_fma_cols, guard=staged)
+                                       scale=scale, softcap=softcap,
+                                       fma_cols=config.exp2_fma_cols, guard=staged)
           return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
 
         dq_rows = lambda: (b, pl.ds(t * bq, bq), kv_head * group + g)
@@ -375,7 +375,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           share_dq_tile(zero, base + t - cta_lo,
                         (b, pl.ds(t * bq, bq), kv_head * group + g))
         tiles.drain_loop(lo, hi, lambda t: slot_of(base + t - cta_lo), ready, consumed,
-                    then=zero_dq if share else None)
+                         then=zero_dq if share else None)
 
       def head(g, carry):
         base = g * tiles_per_head

@@ -20,12 +20,12 @@ from flash3.kernels import common
 
 
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-             interpret, lengths=None, segments=None, softcap=None):
+            interpret, lengths=None, segments=None, softcap=None):
   """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
 
   ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths.
   ``segments``: None or (q_ids, kv_ids, ranges): ids padded to whole tiles and
-  the (B, query tiles, 4) key tile ranges of ``_segment_tile_ranges``.
+  the (B, query tiles, 4) key tile ranges of ``forward._segment_tile_ranges``.
   """
   batch, _, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
@@ -46,7 +46,7 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
      k_bars, v_bars, consumed) = rest
     b = lax.axis_index(common.BATCH_AXIS)
     lens, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
-                                   segments is not None, b)
+                                        segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
 
@@ -114,8 +114,8 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
         def probabilities(s):
           p, th = tiles.probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
-                                 scale=scale, softcap=softcap,
-                                 fma_cols=config.exp2_fma_cols, guard=staged)
+                                      scale=scale, softcap=softcap,
+                                      fma_cols=config.exp2_fma_cols, guard=staged)
           return (p if keep is None else jnp.where(keep, p, 0.0)), th
 
         if overlap:  # GPU: s and dp issued together, p formed while dp runs.

@@ -84,7 +84,7 @@ def limit_plan(plan, seg):
 
 
 def probabilities(s, lse2, *, scale: float, softcap: float | None,
-                   fma_cols: int = 0, guard: bool = True):
+                  fma_cols: int = 0, guard: bool = True):
   """p = exp(scale s (soft-capped) - lse) via exp2, and tanh(scale s / c) or None.
 
   ``lse2`` is lse * log2(e), already broadcast to s's shape. The first
