@@ -372,27 +372,25 @@ def run_case(case: Case, implementations: list[impls.Implementation],
     best = None
     for i, job in enumerate(jobs):
       if mode in interleaved:  # Checked and timed above.
-        fields = interleaved[mode][name][i]
-        if best is None or _better(fields, best):
-          best = dict(fields, variant=job.variant.label, config=job.variant.config)
-        continue
-      if not parallel:  # Compiled just before its run, as it is dropped after.
-        t0 = time.monotonic()
-        _compile_job(job, inputs)
-        times.compile += time.monotonic() - t0
-      t0 = time.monotonic()
-      if job.error is not None:
-        fields = dict(status="unsupported", reason=job.error)
+        fields = dict(interleaved[mode][name][i])
       else:
-        fields = run_variant(case, mode, job.variant, inputs,
-                             expectations[mode], options, fn=job.compiled)
-      job.compiled = None  # Frees the executable before the next one runs.
+        if not parallel:  # Compiled just before its run, as it is dropped after.
+          t0 = time.monotonic()
+          _compile_job(job, inputs)
+          times.compile += time.monotonic() - t0
+        t0 = time.monotonic()
+        if job.error is not None:
+          fields = dict(status="unsupported", reason=job.error)
+        else:
+          fields = run_variant(case, mode, job.variant, inputs,
+                               expectations[mode], options, fn=job.compiled)
+        job.compiled = None  # Frees the executable before the next one runs.
+        gc.collect()
+        times.run += time.monotonic() - t0
       fields["variant"] = job.variant.label
       fields["config"] = job.variant.config
       if best is None or _better(fields, best):
         best = fields
-      gc.collect()
-      times.run += time.monotonic() - t0
     out.append(Result.for_case(case, name, mode, **best))
   return out
 
