@@ -88,14 +88,11 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     shift = mask.shift(ql, kl)
 
     def plan_of(k_lo):
-      k_hi = jnp.minimum(k_lo + bk, kl)
-      q_lo, q_hi = mask.query_range(k_lo, k_hi, shift, ql)
-      f_lo, f_hi = mask.full_query_range(k_lo, k_hi, shift, ql)
-      plan = tiles.tile_plan(k_lo, k_hi, q_lo, q_hi, f_lo, f_hi, bq)
-      if seg_refs is not None:
-        tile = lax.div(k_lo, jnp.int32(bk))
-        plan = tiles.limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
-      return plan
+      return tiles.rows_plan(
+          k_lo, bk, bq, kl, lambda lo, hi: mask.query_range(lo, hi, shift, ql),
+          lambda lo, hi: mask.full_query_range(lo, hi, shift, ql),
+          None if seg_refs is None else
+          lambda tile: [seg_refs[2][b, tile, i] for i in range(4)])
 
     kv_head = lax.axis_index(common.HEADS_AXIS)
     wg = lax.axis_index(common.WG_AXIS)

@@ -51,14 +51,11 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     shift = mask.shift(ql, kl)
 
     def plan_of(q_lo):
-      q_hi = jnp.minimum(q_lo + bq, ql)
-      k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, kl)
-      f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, kl)
-      plan = tiles.tile_plan(q_lo, q_hi, k_lo, k_hi, f_lo, f_hi, bk)
-      if seg_refs is not None:
-        tile = lax.div(q_lo, jnp.int32(bq))
-        plan = tiles.limit_plan(plan, [seg_refs[2][b, tile, i] for i in range(4)])
-      return plan
+      return tiles.rows_plan(
+          q_lo, bq, bk, ql, lambda lo, hi: mask.key_range(lo, hi, shift, kl),
+          lambda lo, hi: mask.full_key_range(lo, hi, shift, kl),
+          None if seg_refs is None else
+          lambda tile: [seg_refs[2][b, tile, i] for i in range(4)])
 
     h = lax.axis_index(common.HEADS_AXIS)
     wg = lax.axis_index(common.WG_AXIS)

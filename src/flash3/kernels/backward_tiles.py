@@ -51,6 +51,24 @@ def tile_plan(lo, hi, span_lo, span_hi, full_lo, full_hi, block: int):
   return nonempty, t_lo, a, b, t_hi
 
 
+def rows_plan(lo, block: int, other_block: int, row_len, reach, full,
+              seg_ranges=None):
+  """``tile_plan`` for the rows [lo, lo + block) (clipped to ``row_len``)
+  over the other axis' tiles of ``other_block``.
+
+  ``reach`` and ``full`` map the rows (lo, hi) to the other axis' positions
+  any of them / all of them see (the mask's key_range / full_key_range for
+  the dq kernel, query_range / full_query_range for the dk/dv kernel).
+  ``seg_ranges``: None, or the row tile index -> its segment tile ranges
+  ``[lo, hi, full_lo, full_hi)`` (``limit_plan``).
+  """
+  hi = jnp.minimum(lo + block, row_len)
+  plan = tile_plan(lo, hi, *reach(lo, hi), *full(lo, hi), other_block)
+  if seg_ranges is not None:
+    plan = limit_plan(plan, seg_ranges(lax.div(lo, jnp.int32(block))))
+  return plan
+
+
 def union(plans):
   """The CTA's tile range: the union of its warpgroups' nonempty ranges."""
   big = jnp.int32(2**30)
