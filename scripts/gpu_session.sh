@@ -12,7 +12,8 @@
 # with -k), api (tests/test_mosaic_path.py),
 # serial (the T=131072 memory test), racecheck (RACECHECK_ARGS="--only role_split"
 # for that group alone), drain (scripts/bench_drain.py),
-# bench (flash3-bench $BENCH, tokamax from .whl), train_flash3, train_cudnn
+# bench (flash3-bench $BENCH, tokamax from .whl), bench2 (the same with $BENCH2, into
+# $OUT/r/bench2: an A/B of two bench settings in one lease), train_flash3, train_cudnn
 # (STEPS steps, packed documents), train_speed (their steps timed side by side),
 # train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
 # train_script (scripts/gpu_train.sh end to end: what make demo runs on a Hopper GPU),
@@ -80,6 +81,9 @@ run_stage() {  # run_stage NAME GPU
     # shellcheck disable=SC2086
     bench) stage bench ${BENCH_BUDGET:-280} "$g" bash scripts/with_tokamax.sh python3 -m flash3.bench \
              $BENCH --no-progress --time-budget $(( ${BENCH_BUDGET:-280} - 20 )) --out "$R/bench" ;;
+    bench2) stage bench2 ${BENCH_BUDGET:-280} "$g" bash scripts/with_tokamax.sh python3 -m flash3.bench \
+              ${BENCH2:-$BENCH} --no-progress --time-budget $(( ${BENCH_BUDGET:-280} - 20 )) \
+              --out "$R/bench2" ;;
     train_flash3|train_cudnn)
       local impl=${1#train_}
       local extra=""; [ "$impl" = flash3 ] && extra="--flash3-kernels-only"
