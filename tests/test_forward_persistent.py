@@ -61,13 +61,6 @@ def test_config_rejects_bad_persistent_fields(field, value):
     ForwardConfig(**{field: value})
 
 
-def test_config_rejects_early_handoff_with_overlap_softmax():
-  with pytest.raises(ValueError, match="early_handoff=True needs overlap_softmax=False"):
-    ForwardConfig(persistent=True, early_handoff=True, overlap_softmax=True)
-  with pytest.raises(ValueError, match="early_handoff"):
-    ForwardConfig(early_handoff=1)
-
-
 def test_separate_o_only_when_it_fits():
   # D=128, 128-key tiles, 2 stages: 160 KiB + 32 KiB more for o fits on the GPU.
   c = _cfg(block_kv=128, num_stages=2)
@@ -105,15 +98,6 @@ PERSISTENT_CASES = [
     # Rows >= 100 see nothing: items with no key tile at all in between.
     ("empty-items", 1, 384, 100, 2, 1, 64, jnp.bfloat16,
      W(window_left=0, window_right=0), _cfg(num_sms=2), None),
-    # Early hand-offs (before each item's epilogue), with o apart from q and
-    # in it, and with items without tiles carrying a hand-off on.
-    ("early-handoff", 2, 200, 333, 4, 2, 64, jnp.bfloat16, NO_MASK,
-     _cfg(early_handoff=True), True),
-    ("early-handoff-o-in-q-window", 1, 330, 400, 2, 1, 64, jnp.float16,
-     W(causal=True, window_left=70, alignment="bottom_right"),
-     _cfg(block_kv=128, early_handoff=True, half_edge_tiles=True), False),
-    ("early-handoff-empty-items", 1, 384, 100, 2, 1, 64, jnp.bfloat16,
-     W(window_left=0, window_right=0), _cfg(num_sms=2, early_handoff=True), None),
 ]
 
 
@@ -178,10 +162,6 @@ def test_interpret_persistent_options(case):
     (128, jnp.bfloat16, _cfg(block_kv=128, num_stages=2, num_sms=132), None),
     (128, jnp.float16, _cfg(block_kv=128, num_stages=2, num_sms=132), False),
     (256, jnp.bfloat16, _cfg(block_kv=64, num_stages=2, num_sms=132), None),
-    (128, jnp.bfloat16, _cfg(block_kv=128, num_stages=2, num_sms=132,
-                             early_handoff=True), None),
-    (256, jnp.bfloat16, _cfg(block_kv=64, num_stages=2, num_sms=132,
-                             early_handoff=True, pingpong="handoff"), None),
 ])
 def test_persistent_lowers_for_the_gpu(D, dtype, config, separate_o):
   q, k, v = make_qkv(jax.random.key(0), 2, 1000, 1100, 4, 2, D, dtype)
@@ -253,25 +233,6 @@ def test_gpu_persistent_matches_reference_and_grid_kernel(case, num_sms):
     sl = (slice(0, 1), slice(None), slice(0, 1))
     assert_matches(o[sl], lse[:1, :1], q[sl], k[sl[:2] + (slice(0, 1),)],
                    v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [GPU_CASES[i] for i in (0, 2, 4, 5, 6, 7, 8)], ids=_gpu_id)
-def test_gpu_early_handoff_matches_grid_kernel(case):
-  # Turns handed over before each item's epilogue order issue, not
-  # arithmetic: bitwise the grid kernel's output (and the reference's).
-  B, Tq, Tk, N, K, D, dtype, mask, bk, st = case
-  q, k, v = make_qkv(jax.random.key(Tq + 3 * Tk + D), B, Tq, Tk, N, K, D, dtype)
-  config = _cfg(block_kv=bk, num_stages=st, num_sms=132, early_handoff=True,
-                pingpong="handoff" if D > 128 else "meeting")
-  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
-  o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=dataclasses.replace(
-      config, persistent=False, early_handoff=False))
-  assert bool(jnp.all(o == o1)), "o differs from the grid kernel"
-  assert bool(jnp.all(lse == lse1)), "lse differs from the grid kernel"
-  sl = (slice(0, 1), slice(None), slice(0, 1))
-  assert_matches(o[sl], lse[:1, :1], q[sl], k[sl[:2] + (slice(0, 1),)],
-                 v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
 
 
 @pytest.mark.gpu

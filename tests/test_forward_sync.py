@@ -77,13 +77,8 @@ CBR = MaskSpec(causal=True, alignment="bottom_right")
     ((2, 64, 200, 2, 2), MaskSpec(), dict(persistent=True, num_sms=2, num_stages=1)),
     ((1, 384, 100, 2, 1), MaskSpec(window_left=0, window_right=0),
      dict(persistent=True, num_sms=2)),
-    # Early hand-offs: the turns move before each item's epilogue; items
-    # without tiles (the last two of each CTA here) carry one on.
-    ((1, 330, 333, 2, 1), CBR, dict(persistent=True, num_sms=3, early_handoff=True)),
-    ((1, 384, 100, 2, 1), MaskSpec(window_left=0, window_right=0),
-     dict(persistent=True, num_sms=2, early_handoff=True)),
 ], ids=["grid-causal", "persistent", "persistent-overlap", "persistent-1-stage",
-        "persistent-empty-items", "early-handoff", "early-handoff-empty-items"])
+        "persistent-empty-items"])
 def test_ping_pong_alternates_in_program_order(barrier_log, shape, mask, config):
   B, Tq, Tk, N, K = shape
   q = jnp.zeros((B, Tq, N, 64), jnp.bfloat16)

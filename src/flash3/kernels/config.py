@@ -151,13 +151,6 @@ class ForwardConfig:
       causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
       eleventh session; plain causal 0 to +1.3%, causal documents +0.6% to
       +4.0%, never slower, twelfth session).
-    early_handoff: persistent kernel only: at the end of each item compute
-      warpgroup 0 hands the tensor cores to warpgroup 1 as soon as its last
-      P @ V is done, before its epilogue (normalising o, storing o and lse),
-      instead of after the next item's first Q K^T; the next item's first
-      tile then skips that hand-off. Warpgroup 1's last P @ V then runs
-      during warpgroup 0's epilogue rather than after it. The turns are the
-      same in number and order, only earlier. Needs overlap_softmax off.
   """
 
   block_q: int = 64
@@ -173,7 +166,6 @@ class ForwardConfig:
   pingpong: str = "meeting"
   exp2_fma_cols: int = 0
   half_edge_tiles: bool = False
-  early_handoff: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -196,9 +188,6 @@ class ForwardConfig:
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     check_registers(self.compute_registers, self.producer_registers)
     check_bool("half_edge_tiles", self.half_edge_tiles)
-    check_bool("early_handoff", self.early_handoff)
-    if self.early_handoff and self.overlap_softmax:
-      raise ValueError("early_handoff=True needs overlap_softmax=False")
     if self.half_edge_tiles and not can_halve_tiles(self.block_kv, self.overlap_softmax):
       raise ValueError(
           f"half_edge_tiles=True needs block_kv 128 or 256 and overlap_softmax="

@@ -575,15 +575,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return lambda t: lax.rem(t - it["t_lo"], stages)
     return lambda t: lax.rem(g0 + (t - it["t_lo"]), stages)
 
-  def compute_item(it, slot_of, *, load_q, next_q=None, pending=None):
+  def compute_item(it, slot_of, *, load_q, next_q=None):
     """One item on compute warpgroup ``wg``.
 
     ``next_q``: None for the one-item kernel; else ``(has_next, issue)``,
     ``issue()`` starting the TMA of the next item's q into this warpgroup's
     q tile, done once nothing reads that tile any more.
-    ``pending`` (``config.early_handoff``; else None): traced bool, a turn
-    hand-off was given early for this item's first tile. Returns the same
-    for the next item (None without early hand-offs).
     """
     batch, head, Tq, Tk, shift = (it["batch"], it["head"], it["Tq"], it["Tk"],
                                   it["shift"])
@@ -624,13 +621,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     score_scale = scale * common.LOG2_E
     reduced = plgpu.Layout.WGMMA.reduce(1)
     D = q_smem.shape[-1]
-
-    def signal_for(t):
-      """Tile t's turn hand-off; skipped for the item's first tile when it
-      was given early, at the end of the previous item."""
-      if pending is None:
-        return turns.signal
-      return lambda: pl.when(jnp.logical_not(pending & (t == t_lo)))(turns.signal)
 
     def scores(s, t, *, masked: bool, half: int | None = None):
       """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked;
@@ -692,7 +682,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         k_tile = k_tile.at[pl.ds(half * width, width)]
         v_tile = v_tile.at[pl.ds(half * width, width)]
       s = common.matmul_smem(q_smem, k_tile.transpose((1, 0)),
-                             (block_q, width), while_running=signal_for(t))
+                             (block_q, width), while_running=turns.signal)
       release["k"].free(slot)
       p, m_new, alpha = softmax(s, t, m, masked=masked, half=half)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -810,7 +800,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       slot = slot_of(t)
       plgpu.barrier_wait(smem["k_loaded"].at[slot])
       release["k"].free(slot)
-      signal_for(t)()
+      turns.signal()
       plgpu.barrier_wait(smem["v_loaded"].at[slot])
       release["v"].free(slot)
       turns.wait()
@@ -855,18 +845,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
             compute_step, masked=True, half=0), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     acc, m, l = carry
-    pending_next = None
-    if pending is not None:
-      # config.early_handoff: warpgroup 0's last P @ V is done, so warpgroup
-      # 1 may take the tensor cores for its own while this epilogue runs;
-      # the hand-off is the one the next item's first tile would give.
-      # An item without tiles gives none and leaves an early one pending.
-      # (Warpgroup 1, half a step behind, hands over as before: early, its
-      # meeting would wait for warpgroup 0's next softmax before its epilogue.)
-      still = pending & (t_hi == t_lo)
-      give = next_q[0] & jnp.logical_not(still) & (wg == 0)
-      pl.when(give)(turns.signal)
-      pending_next = still | give
     if next_q is not None and separate_o:
       # Every QK^T of this item has completed (its scores were read), so the
       # next item's q may land while this one's epilogue runs.
@@ -923,7 +901,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       # o was staged in the q tile: the next q may land once the store read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.when(next_q[0])(next_q[1])
-    return pending_next
 
   def produce_item(it, slot_of, g0):
     """The K/V tiles of one item; ``g0`` as in ``slot_fn`` (None: one item per CTA)."""
@@ -1019,17 +996,13 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
     issue_q(item_index(0))
 
-    early = config.early_handoff
-
-    def item(step, carry):
-      g, pending = carry
+    def item(step, g):
       i = item_index(step)
       it = setup(*item_of(i))
-      pending = compute_item(it, slot_fn(it, g), load_q=False,
-                             next_q=(step + 1 < n_local,
-                                     functools.partial(issue_q, item_index(step + 1))),
-                             pending=pending if early else None)
-      return g + (it["t_hi"] - it["t_lo"]), (pending if early else carry[1])
+      compute_item(it, slot_fn(it, g), load_q=False,
+                   next_q=(step + 1 < n_local,
+                           functools.partial(issue_q, item_index(step + 1))))
+      return g + (it["t_hi"] - it["t_lo"])
 
     # The turns run on across items: per item each warpgroup signals and
     # waits once per tile, so a start and a finish per item would let
@@ -1037,13 +1010,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # first tile) before warpgroup 1 waits: a named barrier would then
     # complete on warpgroup 0's arrivals alone (seen as hangs on an H200).
     turns.start()
-    _, pending = lax.fori_loop(0, n_local, item, (jnp.int32(0), jnp.bool_(False)))
-    if early:
-      # Trailing items without tiles left warpgroup 0's early hand-off
-      # untaken: it stands in for warpgroup 0's final one.
-      pl.when(jnp.logical_not(pending))(turns.finish)
-    else:
-      turns.finish()
+    lax.fori_loop(0, n_local, item, jnp.int32(0))
+    turns.finish()
     common.wait_final_stores()
 
   @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
