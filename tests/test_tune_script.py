@@ -255,3 +255,33 @@ def test_tune_backward_sweep_above_128_pits_the_dq_warpgroup_counts():
   d256 = tune._bwd_candidates(256, causal=False)
   assert all(c.compute_wgs_dq == 1 for c in d256)
   assert len(d256) == len(set(d256))
+
+
+# ----------------------------------------------------------------------------
+# scripts/profile_forward.py: the trace summary
+# ----------------------------------------------------------------------------
+
+def _ranges(tid, spans):
+  """Chrome-trace B/E events for (name, start, end) spans of one warpgroup."""
+  out = []
+  for name, b, e in spans:
+    out += [dict(name=name, ph="B", ts=b, pid=1, tid=tid),
+            dict(name=name, ph="E", ts=e, pid=1, tid=tid)]
+  return out
+
+
+def test_profile_summary_finds_steps_and_item_boundaries():
+  prof = _script_module("profile_forward")
+  # Compute warpgroup 0 of block 0 (tid 1): two items; steps 10 us apart in
+  # each, the second item's first qk 12 us after the first item's last pv.
+  events = _ranges(1, [("setup", 0, 1), ("qk", 1, 3), ("pv", 5, 8),
+                       ("qk", 11, 13), ("pv", 15, 18), ("epilogue", 18, 26),
+                       ("setup", 27, 29), ("qk", 30, 32), ("pv", 34, 37),
+                       ("qk", 40, 42), ("pv", 44, 47)])
+  # The producer of block 1 (tid 1 + 2 + 3): not a compute warpgroup.
+  events += _ranges(6, [("slot_wait", 0, 4), ("slot_wait", 10, 11)])
+  text = prof.summarize({"traceEvents": events})
+  assert "| compute 0 | epilogue | 8.0 | 1 | 8.000 |" in text
+  assert "| producer | slot_wait | 5.0 | 2 | 2.500 |" in text
+  assert "median 10.000 kcycles over 2 steps" in text
+  assert "median 12.000 kcycles = 1.20 steps, over 1 boundaries" in text

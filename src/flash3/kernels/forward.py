@@ -116,6 +116,11 @@ ROW_TILE = 8  # Rows of one swizzled smem tile; TMA lengths must be multiples.
 # shared memory allows (``config.persistent_separate_o``); True / False force
 # one way (False is the only way at D=256). Read outside jit, passed static.
 PERSISTENT_SEPARATE_O: bool | None = None
+# Profiling knob (scripts/profile_forward.py): (events per warpgroup, directory)
+# records the kernel's named scopes (``jax.named_scope``: "qk", "softmax",
+# "turn", "pv", "epilogue", ...) per warpgroup with Mosaic GPU's profiler into
+# a Chrome trace there. Read outside jit, passed static; GPU only.
+PROFILE: tuple[int, str] | None = None
 
 
 def _round_up(x: int, m: int) -> int:
@@ -259,7 +264,8 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
                     mask=mask, config=config, interpret=interpret_params,
                     q_len=Tq, kv_len=Tk, softcap=extras["softcap"],
                     drain=common.drains_barriers(interpret_params),
-                    separate_o=separate_o)
+                    separate_o=separate_o,
+                    profile=None if interpret_params is not None else PROFILE)
   if d_pad != D or tq_pad != Tq:
     o = o[:, :Tq, :, :D]
   return o, lse[:, :, :Tq]
@@ -359,11 +365,11 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap",
-    "drain", "separate_o"))
+    "drain", "separate_o", "profile"))
 def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
              config: ForwardConfig, interpret: Any, q_len: int, kv_len: int,
              softcap: float | None, drain: bool = True,
-             separate_o: bool = False):
+             separate_o: bool = False, profile: tuple[int, str] | None = None):
   """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer).
 
   ``lengths`` (None or (q_len, kv_len) (B,) int32) and ``sinks`` (None or
@@ -476,10 +482,21 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       # within a warp (checked in tests/test_forward_kernel.py), and the 2 KB
       # Pallas reserves by default is what kept a third 128-key K/V slot or
       # 192-key tiles at D=128 out of shared memory.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                           **_profile_params(profile)),
       interpret=interpret,
   )
   return kernel(q, k, v, *extra_inputs)
+
+
+def _profile_params(profile: tuple[int, str] | None) -> dict:
+  """CompilerParams fields for ``PROFILE`` (None: no profiling)."""
+  if profile is None:
+    return {}
+  space, directory = profile
+  # Bounds-checked: a full buffer truncates the trace instead of overrunning
+  # shared memory.
+  return dict(profile_space=space, profile_dir=directory, profile_bounds_check=True)
 
 
 def _half_edges(mask: MaskSpec, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv: int):
@@ -617,7 +634,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     m1 = jnp.clip(ft_lo, w_lo, w_hi)
     m2 = jnp.clip(ft_hi, m1, w_hi)
 
-    plgpu.barrier_wait(smem["q_loaded"].at[wg])
+    jax.named_scope("q_wait")(plgpu.barrier_wait)(smem["q_loaded"].at[wg])
     score_scale = scale * common.LOG2_E
     reduced = plgpu.Layout.WGMMA.reduce(1)
     D = q_smem.shape[-1]
@@ -681,13 +698,16 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         width = block_kv // 2
         k_tile = k_tile.at[pl.ds(half * width, width)]
         v_tile = v_tile.at[pl.ds(half * width, width)]
-      s = common.matmul_smem(q_smem, k_tile.transpose((1, 0)),
-                             (block_q, width), while_running=turns.signal)
+      s = jax.named_scope("qk")(common.matmul_smem)(
+          q_smem, k_tile.transpose((1, 0)), (block_q, width),
+          while_running=jax.named_scope("signal")(turns.signal))
       release["k"].free(slot)
-      p, m_new, alpha = softmax(s, t, m, masked=masked, half=half)
+      p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
+                                                            half=half)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l = l * alpha
 
+      @jax.named_scope("turn")
       def release_softmax():
         plgpu.barrier_wait(smem["v_loaded"].at[slot])
         turns.wait()
@@ -702,6 +722,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       else:
         release_softmax()
         l = l + p.sum(axis=1)
+      @jax.named_scope("k_wait")
       def wait_next_k():
         @pl.when(t + 1 < w_hi)
         def _():
@@ -710,8 +731,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       stage = p_stage
       if stage is not None and half is not None:
         stage = stage.at[:, pl.ds(0, width)]
-      acc = common.accumulate_register_lhs(acc, p16, v_tile, staging=stage,
-                                           while_running=wait_next_k)
+      acc = jax.named_scope("pv")(common.accumulate_register_lhs)(
+          acc, p16, v_tile, staging=stage, while_running=wait_next_k)
       release["v"].free(slot)
       return acc, m_new, l
 
@@ -793,6 +814,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       release["v"].free(slot)
       return acc, m, l
 
+    @jax.named_scope("skip")
     def skip_step(t, carry):
       # Keep every barrier's phases in step with the other warpgroup and the
       # producer: wait for and release the tile, signal and wait for the
@@ -813,6 +835,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     lax.fori_loop(t_lo, w_lo, skip_step, None)
 
     @pl.when(w_lo < w_hi)
+    @jax.named_scope("first_k")
     def _():
       plgpu.barrier_wait(smem["k_loaded"].at[slot_of(w_lo)])
 
@@ -850,57 +873,58 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       # next item's q may land while this one's epilogue runs.
       pl.when(next_q[0])(next_q[1])
 
-    if has_sinks:
-      # The sink joins the denominator as one more (raw, natural-log) logit.
-      sink2 = sink * common.LOG2_E
-      m_fin = jnp.maximum(m, sink2)
-      m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
-      alpha = jnp.exp2(m - m_fin)
-      l = l * alpha + jnp.exp2(sink2 - m_fin)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      m = m_fin
-    # l is 0 only where nothing was seen (and no sink); a NaN l (a NaN sink)
-    # must reach lse as well as o.
-    seen = l != 0
-    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-    # (m + log2 l) ln 2, not m ln 2 + ln l: approximate ln is log2 times ln 2,
-    # and with two products feeding one sum the compiler may fuse either into
-    # an FMA, differently in kernel variants (E11: the lengths == T kernel's
-    # lse differed from the no-lengths kernel's by rounding on the H200 until
-    # this form; bitwise equal since, 2026-12-01).
-    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
-                    -jnp.inf)
-    if has_lengths:
-      # Rows i >= q_len see nothing: they were computed like the others and
-      # are replaced here (selected, so NaN in their q cannot leak). Without
-      # lengths TMA drops the rows past Tq.
-      row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
-                                          layout=plgpu.Layout.WGMMA)
-      o = jnp.where(row < Tq, o, 0.0)
-      row_ok = q_lo + plgpu.broadcasted_iota(
-          jnp.int32, (block_q,), 0, layout=reduced) < Tq
-      empty_lse = -jnp.inf if sink is None else sink
-      lse = jnp.where(row_ok, lse, empty_lse)
-    o_smem = q_smem
-    if next_q is not None:
-      if separate_o:
-        o_smem = smem["o"].at[wg]
-      # The previous item's o / lse stores must have read the staging tiles.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_smem[...] = o.astype(dtype)
-    lse_smem = smem["lse"].at[wg]
-    lse_smem[...] = lse
-    plgpu.commit_smem()
-    # TMA drops the rows past Tq.
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
-    if next_q is None:
-      common.wait_final_stores()
-    elif not separate_o:
-      # o was staged in the q tile: the next q may land once the store read it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      pl.when(next_q[0])(next_q[1])
+    with jax.named_scope("epilogue"):
+      if has_sinks:
+        # The sink joins the denominator as one more (raw, natural-log) logit.
+        sink2 = sink * common.LOG2_E
+        m_fin = jnp.maximum(m, sink2)
+        m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+        alpha = jnp.exp2(m - m_fin)
+        l = l * alpha + jnp.exp2(sink2 - m_fin)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        m = m_fin
+      # l is 0 only where nothing was seen (and no sink); a NaN l (a NaN sink)
+      # must reach lse as well as o.
+      seen = l != 0
+      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+      # (m + log2 l) ln 2, not m ln 2 + ln l: approximate ln is log2 times ln 2,
+      # and with two products feeding one sum the compiler may fuse either into
+      # an FMA, differently in kernel variants (E11: the lengths == T kernel's
+      # lse differed from the no-lengths kernel's by rounding on the H200 until
+      # this form; bitwise equal since, 2026-12-01).
+      lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
+                      -jnp.inf)
+      if has_lengths:
+        # Rows i >= q_len see nothing: they were computed like the others and
+        # are replaced here (selected, so NaN in their q cannot leak). Without
+        # lengths TMA drops the rows past Tq.
+        row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
+                                            layout=plgpu.Layout.WGMMA)
+        o = jnp.where(row < Tq, o, 0.0)
+        row_ok = q_lo + plgpu.broadcasted_iota(
+            jnp.int32, (block_q,), 0, layout=reduced) < Tq
+        empty_lse = -jnp.inf if sink is None else sink
+        lse = jnp.where(row_ok, lse, empty_lse)
+      o_smem = q_smem
+      if next_q is not None:
+        if separate_o:
+          o_smem = smem["o"].at[wg]
+        # The previous item's o / lse stores must have read the staging tiles.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_smem[...] = o.astype(dtype)
+      lse_smem = smem["lse"].at[wg]
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      # TMA drops the rows past Tq.
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
+      if next_q is None:
+        common.wait_final_stores()
+      elif not separate_o:
+        # o was staged in the q tile: the next q may land once the store read it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        pl.when(next_q[0])(next_q[1])
 
   def produce_item(it, slot_of, g0):
     """The K/V tiles of one item; ``g0`` as in ``slot_fn`` (None: one item per CTA)."""
@@ -911,10 +935,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       release when ``wait_free`` (a static True, or a traced condition) says so."""
       rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
       for name in ("k", "v"):
+        slot_wait = jax.named_scope("slot_wait")(release[name].wait)
         if wait_free is True:
-          release[name].wait(slot)
+          slot_wait(slot)
         elif wait_free is not None:
-          pl.when(wait_free)(functools.partial(release[name].wait, slot))
+          pl.when(wait_free)(functools.partial(slot_wait, slot))
         ref = k_ref if name == "k" else v_ref
         plgpu.copy_gmem_to_smem(ref.at[rows], smem[name].at[slot],
                                 smem[f"{name}_loaded"].at[slot])
@@ -997,8 +1022,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     issue_q(item_index(0))
 
     def item(step, g):
-      i = item_index(step)
-      it = setup(*item_of(i))
+      it = jax.named_scope("setup")(lambda: setup(*item_of(item_index(step))))()
       compute_item(it, slot_fn(it, g), load_q=False,
                    next_q=(step + 1 < n_local,
                            functools.partial(issue_q, item_index(step + 1))))
