@@ -97,6 +97,18 @@ for name, mask in {"persistent plain": MaskSpec(),
   o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
   print(f"{name}: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
+# The persistent forward at D=128: o staged apart from q, and the next item's q
+# issued in each item's last compute step (a causal window: unequal items).
+q128, k128 = (jax.random.normal(jax.random.key(i), (1, 384, 2, 128), jnp.bfloat16)
+              for i in (11, 12))
+wmask = MaskSpec(causal=True, window_left=100, alignment="bottom_right")
+o, lse = attention_forward(
+    q128, k128, k128, scale=0.09, mask=wmask,
+    config=ForwardConfig(block_kv=128, reverse_q_tiles=True, persistent=True, num_sms=2,
+                         half_edge_tiles=True))
+print(f"persistent D=128 window: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}, "
+      f"nonzero {bool(jnp.any(o != 0))}")
+
 # The persistent forward with packed documents: its schedule table is built on
 # the device from the segment ids (schedule.segment_schedule).
 ids = jnp.repeat(jnp.arange(3), 64)[None]

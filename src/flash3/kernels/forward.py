@@ -638,6 +638,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     score_scale = scale * common.LOG2_E
     reduced = plgpu.Layout.WGMMA.reduce(1)
     D = q_smem.shape[-1]
+    # The persistent kernel's next q, issued in the item's last compute step
+    # rather than after it: at D=128 the next item then waited 0.28 instead of
+    # 0.72 thousand cycles for it (scripts/profile_forward.py) and a causal
+    # window of 1024 ran 3% faster; at D=64, whose steps are shorter, the
+    # per-step check cost 2-3% (H200, seventeenth session).
+    early_next_q = next_q is not None and separate_o and D > 64
 
     def scores(s, t, *, masked: bool, half: int | None = None):
       """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked;
@@ -702,6 +708,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           q_smem, k_tile.transpose((1, 0)), (block_q, width),
           while_running=jax.named_scope("signal")(turns.signal))
       release["k"].free(slot)
+      if early_next_q:
+        # The item's last Q K^T has completed (its scores were read): the
+        # next item's q may land during this tile's softmax and P @ V, not
+        # only after them.
+        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
       p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
                                                             half=half)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -868,7 +879,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
             compute_step, masked=True, half=0), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     acc, m, l = carry
-    if next_q is not None and separate_o:
+    if early_next_q:
+      # A warpgroup without tiles in this item issues the next q here (the
+      # others did in their last compute step).
+      pl.when(next_q[0] & (w_lo == w_hi))(next_q[1])
+    elif next_q is not None and separate_o:
       # Every QK^T of this item has completed (its scores were read), so the
       # next item's q may land while this one's epilogue runs.
       pl.when(next_q[0])(next_q[1])
