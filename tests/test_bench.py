@@ -1575,3 +1575,11 @@ def test_source_tree_hash_is_gits_tree_hash(tmp_path):
   assert report.source_tree_hash(str(pkg)) == want[:12]
   (pkg / "a.py").write_text("x = 2\n")  # A changed file: another hash.
   assert report.source_tree_hash(str(pkg)) != want[:12]
+
+
+@pytest.mark.parametrize("argv,want", [([], 10), (["--quick"], 5), (["--iterations", "4"], 4),
+                                       (["--compile-jobs", "1"], 0),
+                                       (["--interleave", "0"], 0),
+                                       (["--interleave", "2"], 2)])
+def test_interleave_defaults_to_one_run_per_turn(argv, want):
+  assert cli.parse(argv).interleave == want

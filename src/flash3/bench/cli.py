@@ -176,14 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "before checking and timing them one by one, alone on "
                       "the GPU (default 8; 1 compiles each just before it "
                       "runs, keeping one executable at a time)")
-  p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+  p.add_argument("--interleave", type=int, default=None, metavar="ROUNDS",
                  help="time a case's contenders in ROUNDS turns, each taking "
                       "ceil(iterations / ROUNDS) runs per turn, in order on "
                       "even turns and reversed on odd ones, so a GPU clock "
-                      "that drifts during a case slows them alike (an even "
-                      "ROUNDS in [2, iterations]; default 0: each "
-                      "contender's runs in one block; needs --compile-jobs "
-                      ">= 2)")
+                      "that drifts during a case slows them alike (ROUNDS in "
+                      "[1, iterations], best even; needs --compile-jobs >= 2). "
+                      "Default: one run per turn (ROUNDS = iterations), or 0 "
+                      "with --compile-jobs 1; 0 times each contender's runs "
+                      "in one block (on an H200 that favoured whichever "
+                      "contender ran first by up to 6%%, seventeenth session)")
   p.add_argument("--out", default="bench-results",
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
@@ -244,6 +246,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.iterations = QUICK_ITERATIONS if args.quick else 10
   if args.iterations < 1 or args.warmup < 0:
     build_parser().error("--iterations must be >= 1 and --warmup >= 0")
+  if args.interleave is None:
+    args.interleave = args.iterations if args.compile_jobs >= 2 else 0
   if (args.interleave < 0 or args.interleave > args.iterations
       or (args.interleave and args.compile_jobs < 2)):
     build_parser().error(
