@@ -17,6 +17,7 @@
 # (STEPS steps, packed documents), train_speed (their steps timed side by side),
 # train_crosscheck (train_flash3's checkpoint evaluated with flash3, cuDNN and XLA),
 # train_script (scripts/gpu_train.sh end to end: what make demo runs on a Hopper GPU),
+# compile_report (scripts/compile_report.py $COMPILE_ARGS: ptxas's view of each kernel),
 # api_kernels (scripts/api_kernels.py $API_ARGS: the API's fwd+bwd kernel by kernel),
 # hlo_calls (custom calls in the train step before and after XLA's optimizations),
 # mgpu_tests, mgpu_bench (both GPUs),
@@ -105,6 +106,12 @@ run_stage() {  # run_stage NAME GPU
     hlo_calls)  # custom calls in the h200 train step before / after XLA, and where (3 for flash3)
       stage hlo_calls ${HLO_BUDGET:-150} "$g" python3 scripts/hlo_calls.py --preset h200 \
         --impls flash3,cudnn --flash3-kernels-only --where ;;
+    compile_report)  # ptxas's registers, spills, wgmma serialisation per kernel; the
+      # whole dumps (PTX, ptxas log, SASS) go to $OUT/compile.tar.xz, apart from r/
+      stage compile_report ${COMPILE_BUDGET:-180} "$g" python3 scripts/compile_report.py \
+        ${COMPILE_ARGS:-} --out "$OUT/compile"
+      cp "$OUT/compile/summary.md" "$R/compile_summary.md" 2>/dev/null
+      tar cJf "$OUT/compile.tar.xz" -C "$OUT" compile && rm -rf "$OUT/compile" ;;
     api_kernels)  # the API's fwd+bwd kernel by kernel against the backward kernels alone
       stage api_kernels ${API_BUDGET:-90} "$g" python3 scripts/api_kernels.py \
         ${API_ARGS:-} --out "$R/api_kernels" ;;

@@ -285,3 +285,36 @@ def test_profile_summary_finds_steps_and_item_boundaries():
   assert "| producer | slot_wait | 5.0 | 2 | 2.500 |" in text
   assert "median 10.000 kcycles over 2 steps" in text
   assert "median 12.000 kcycles = 1.20 steps, over 1 boundaries" in text
+
+
+# scripts/compile_report.py: the summary of a Mosaic GPU dump
+
+
+def test_compile_report_counts_serialised_wgmma_spills_and_hgmma():
+  report = _script_module("compile_report")
+  log = "\n".join([
+      ".visible .entry mosaic_gpu_kernel(",  # PTX is not counted
+      "ptxas info    : Used 168 registers, used 16 barriers",
+      "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async "
+      "instructions are serialized due to insufficient register resources",
+      "ptxas info    : 0 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads",
+      "ptxas info    : Compiling entry function 'mosaic_gpu_kernel'",
+      "        /*0a20*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;",
+      "        /*0a30*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;",
+      "        /*0b00*/   STL.64 [R1+0x8], R2 ;",
+      "        /*0b10*/   LDL R4, [R1+0x8] ;",
+  ])
+  s = report.summarize(log)
+  assert s["hgmma"] == 2
+  assert s["local"] == 2
+  assert len(s["serialized"]) == 1 and "C7515" in s["serialized"][0]
+  # Registers, the warning and the spill line are kept; the 'Compiling' line is not.
+  assert len(s["ptxas"]) == 3
+
+
+def test_compile_report_rejects_a_malformed_case():
+  report = _script_module("compile_report")
+  assert report.parse_case("bwd:128:4096:1") == ("bwd", 128, 4096, True)
+  for bad in ("fwd:128:4096", "dq:64:512:0", "fwd:64:512:2"):
+    with pytest.raises(ValueError, match="what:D:T:causal"):
+      report.parse_case(bad)
