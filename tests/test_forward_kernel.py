@@ -420,6 +420,39 @@ def test_interpret_extreme_equal_inputs_e03(config):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "every_tile"])
+def test_interpret_lazy_rescale_moves_only_past_the_threshold(lazy):
+  """ForwardConfig.lazy_rescale: rows whose later key tiles score higher by
+  less than the threshold (row 0: +4 in log2 units, kept reference, P up to
+  2**4) or by more (row 1: +200, which would overflow P unless the reference
+  moves), and a row whose first tile holds its max (row 2), all against the
+  float32 reference; the lazy and the every-tile kernels agree to rounding."""
+  D, Tk, block_kv = 64, 192, 64
+  log2e = 1.4426950408889634
+  # Scores q.k * scale (natural units) chosen per (row, key tile) through
+  # column 0 of q and k (q's other columns are 0).
+  tile_scores = np.array([[1.0, 1.0 + 4 / log2e, 0.5],
+                          [1.0, 2.0, 2.0 + 200 / log2e],
+                          [9.0, 1.0, -3.0]])
+  rows = tile_scores.shape[0]
+  noise = 0.05 * jax.random.normal(jax.random.key(7), (rows, Tk, D))
+  # One query row per pattern, each its own head; q picks column 0 of k.
+  q = jnp.zeros((1, 1, rows, D)).at[0, 0, :, 0].set(1.0)
+  k_rows = np.repeat(tile_scores, block_kv, axis=1)  # (rows, Tk)
+  k = noise.transpose(1, 0, 2).at[:, :, 0].set(k_rows.T)[None]
+  v = jax.random.normal(jax.random.key(8), (1, Tk, rows, D))
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  config = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=lazy)
+  o, lse = run_interpret(q, k, v, scale=1.0, mask=NO_MASK, config=config)
+  assert_matches(o, lse, q, k, v, scale=1.0, mask=NO_MASK)
+  other = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=not lazy)
+  o2, lse2 = run_interpret(q, k, v, scale=1.0, mask=NO_MASK, config=other)
+  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o2, np.float32),
+                             atol=1e-2, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("config", EDGE_CONFIGS, ids=EDGE_IDS)
 def test_interpret_masked_keys_with_nan_e07(config):
   """E07 (forward): NaN/Inf/1e30 in keys that are masked away change nothing.
@@ -562,11 +595,16 @@ def test_gpu_e02_fully_masked_first_tile_keeps_max(mask):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("Tk", [1, 2])
-def test_gpu_e03_equal_extreme_inputs(Tk):
-  x = jnp.full((1, 1, 1, 64), 133120.0, jnp.bfloat16)
-  kv = jnp.full((1, Tk, 1, 64), 133120.0, jnp.bfloat16)
-  o, lse = attention_forward(x, kv, kv, scale=0.125, mask=NO_MASK)
+@pytest.mark.parametrize("Tq,Tk,D", [(1, 1, 64), (1, 2, 64), (64, 256, 64), (130, 1000, 128),
+                                     (128, 512, 256)])
+def test_gpu_e03_equal_extreme_inputs(Tq, Tk, D):
+  """E03 in masked tiles (Tk 1, 2: the tail of one tile) and in whole tiles,
+  which take the unmasked path (where LLVM fuses a scale and a subtraction
+  into one FMA: before lazy_rescale a row's max got exp2 of that FMA's
+  rounding error, which overflows at these magnitudes)."""
+  x = jnp.full((1, Tq, 1, D), 133120.0, jnp.bfloat16)
+  kv = jnp.full((1, Tk, 1, D), 133120.0, jnp.bfloat16)
+  o, lse = attention_forward(x, kv, kv, scale=D ** -0.5, mask=NO_MASK)
   np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
   assert np.isfinite(np.asarray(lse)).all()
 

@@ -24,7 +24,11 @@ from typing import Any, Callable
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, nvvm, scf, vector
+import numpy as np
 
 # Natural-log <-> base-2 conversions for softmax in the exp2 domain.
 LOG2_E = 1.4426950408889634
@@ -254,3 +258,46 @@ def accumulate_pair(acc1: jax.Array, a1: jax.Array, b1_ref, acc2: jax.Array,
   a2_like = plgpu.layout_cast(jnp.zeros(a1.shape[:1] + (b2_ref.shape[0],), a1.dtype),
                               plgpu.Layout.WGMMA)
   return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2), a2_like))
+
+
+def scale_rows(acc: jax.Array, alpha: jax.Array, *, skip_ones: bool) -> jax.Array:
+  """``acc * alpha[:, None]`` for a float32 (M, N) WGMMA-layout accumulator
+  and its (M,) row factors (``Layout.WGMMA.reduce(1)``).
+
+  ``skip_ones`` (GPU only): each warp votes, and a warp whose rows all have
+  alpha == 1 keeps acc without the multiplies: the result is the same, and
+  at head_dim 128 a forward tile's 64 multiplies per thread sat on the
+  critical path between a warpgroup's softmax and its P @ V (ptxas places
+  them after the ping-pong barrier). A NaN alpha is not 1, so it still
+  reaches acc.
+  """
+  if not skip_ones:
+    return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+      return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
+                                         layout=plgpu.Layout.WGMMA))
+  def scaled(_, acc_fa, alpha_fa):
+    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+    one = arith.constant(f32, 1.0)
+    moved = None  # Does any row this thread holds have alpha != 1?
+    for reg in alpha_fa.registers.flat:
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        x = vector.extract(reg, dynamic_position=[], static_position=[i])
+        ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
+        moved = ne if moved is None else arith.ori(moved, ne)
+    warp_moved = nvvm.vote_sync(arith.constant(i32, 0xFFFFFFFF), moved, "any")
+    regs = list(acc_fa.registers.flat)
+    branch = scf.IfOp(warp_moved, [r.type for r in regs], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      out = acc_fa * alpha_fa.broadcast_in_dim(acc_fa.shape, (0,), acc_fa.layout)
+      scf.yield_(list(out.registers.flat))
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(regs)
+    new = np.empty(acc_fa.registers.shape, dtype=object)
+    new.flat[:] = list(branch.results)
+    return mgpu.FragmentedArray(_registers=new, _layout=acc_fa.layout,
+                                _is_signed=None)
+
+  return scaled(acc, alpha)

@@ -40,6 +40,10 @@ SMEM_LIMIT_BYTES = 227 * 1024
 SMEM_RESERVED_BYTES = 1024
 # The forward runs two compute warpgroups, each on its own tile of block_q rows.
 NUM_COMPUTE_WARPGROUPS = 2
+# ForwardConfig.lazy_rescale: how far (log2 units) a tile's scores may exceed
+# a row's reference maximum before the row is rescaled (FlashAttention-4's
+# value: P <= 2**8).
+RESCALE_THRESHOLD = 8.0
 # Ring depth the forward's named barriers allow (two per slot, kernels/sync.py).
 MAX_NAMED_STAGES = sync.MAX_RING_SLOTS
 
@@ -151,6 +155,18 @@ class ForwardConfig:
       causal window of 1024 at T=16384 ran 6% faster at D=64 and D=128,
       eleventh session; plain causal 0 to +1.3%, causal documents +0.6% to
       +4.0%, never slower, twelfth session).
+    lazy_rescale: the online softmax keeps a row's running maximum (the
+      reference its exponentials are taken against) until a tile's scores
+      exceed it by more than ``RESCALE_THRESHOLD`` (8, in log2 units), as
+      FlashAttention-4 does: P then lies in [0, 2**8] instead of [0, 1] (the
+      same relative precision in float16 / bfloat16, and o = acc / l is
+      unchanged), and most tiles leave the accumulator as it is, so on the GPU
+      each warp skips rescaling it whenever none of its rows moved their
+      reference (a warp vote). The maximum is taken of the raw scores and the
+      exponent formed as ``(s - m) * scale * log2(e)``: no multiply before the
+      maximum, and exactly 0 at a row's maximum (E03). False: the max of the
+      scaled scores, every tile rescaled (the kernels until the eighteenth
+      session).
   """
 
   block_q: int = 64
@@ -166,6 +182,7 @@ class ForwardConfig:
   pingpong: str = "meeting"
   exp2_fma_cols: int = 0
   half_edge_tiles: bool = False
+  lazy_rescale: bool = True
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -188,6 +205,7 @@ class ForwardConfig:
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
     check_registers(self.compute_registers, self.producer_registers)
     check_bool("half_edge_tiles", self.half_edge_tiles)
+    check_bool("lazy_rescale", self.lazy_rescale)
     if self.half_edge_tiles and not can_halve_tiles(self.block_kv, self.overlap_softmax):
       raise ValueError(
           f"half_edge_tiles=True needs block_kv 128 or 256 and overlap_softmax="

@@ -98,7 +98,7 @@ import jax.numpy as jnp
 from flash3 import _device
 from flash3.kernels import common, exp2, schedule, sync
 from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
-                                   ForwardConfig,
+                                   RESCALE_THRESHOLD, ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
 from flash3.visibility import MaskSpec, keys_in_reach
@@ -645,14 +645,29 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # per-step check cost 2-3% (H200, seventeenth session).
     early_next_q = next_q is not None and separate_o and D > 64
 
+    # The online softmax's domain: exp2(x) with x = (s - m) * expo_scale,
+    # s the scores as ``scores`` returns them and m their running max. With
+    # ``lazy_rescale`` and a positive scale, s stays raw (the max needs no
+    # multiply first: scaling by c > 0 is monotone) and expo_scale is
+    # scale * log2(e); else s is already in the exp2 domain and expo_scale 1.
+    raw_scores = config.lazy_rescale and softcap is None and score_scale > 0
+    expo_scale = score_scale if raw_scores else 1.0
+    # A row's reference moves only when a tile's max exceeds it by more than
+    # this (in s's units; clamped to stay finite for a tiny scale).
+    threshold = min(RESCALE_THRESHOLD / expo_scale, 1e38)
+
     def scores(s, t, *, masked: bool, half: int | None = None):
-      """Raw Q K_t^T -> exp2-domain scores, -inf where tile t is masked;
-      ``half`` 0 / 1: s holds only that half of the tile's keys."""
-      # Scale first, then take the max of the scaled scores: exp2(s - m) <= 1
-      # exactly, even where an FMA's unrounded product would overflow (E03;
-      # folding the scale into an FMA s * c - m was tried: with |m| >= 2**31
-      # no shift of m keeps exp2's argument both <= 0 and > -126).
-      if softcap is None:
+      """Raw Q K_t^T -> scores in the softmax's domain (see ``expo_scale``),
+      -inf where tile t is masked; ``half`` 0 / 1: s holds only that half of
+      the tile's keys."""
+      # Without lazy_rescale: scale first, then take the max of the scaled
+      # scores. (LLVM contracts the later s * c - m into one FMA all the same
+      # where nothing is masked, so there a row's max gets exp2 of a rounding
+      # error, which for |m| >= 2**24 overflows: E03. The lazy path's
+      # (s - m) * c is exactly 0 there.)
+      if raw_scores:
+        pass
+      elif softcap is None:
         s = s * score_scale
       else:
         # The cap acts on natural-unit scores; then into the exp2 domain.
@@ -684,14 +699,37 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         return m_new, jnp.where(m_new == -jnp.inf, 0.0, m_new)
       return m_new, m_new
 
+    def lazy_max(s, m, *, masked: bool):
+      """``lazy_rescale``: (reference, the max to subtract, alpha). A row
+      keeps its reference m unless the tile's max exceeds it by more than
+      ``threshold`` (always when m is still -inf and the row sees a key);
+      alpha is then exp2 of the move, else exactly 1. NaN scores leave m as
+      it is and reach P."""
+      m_cand = jnp.maximum(m, s.max(axis=1))
+      moves = m_cand > m + threshold
+      m_new = jnp.where(moves, m_cand, m)
+      m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      alpha = jnp.where(moves, jnp.exp2((m - m_sub) * expo_scale), 1.0)
+      return m_new, m_sub, alpha
+
     def softmax(s, t, m, *, masked: bool, half: int | None = None):
       """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
       s = scores(s, t, masked=masked, half=half)
-      m_new, m_sub = new_max(s, m, masked=masked)
-      alpha = jnp.exp2(m - m_sub)
-      p = exp2.split_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]),
-                          min(config.exp2_fma_cols, s.shape[1]), guard=staging)
+      if config.lazy_rescale:
+        m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
+      else:
+        m_new, m_sub = new_max(s, m, masked=masked)
+        alpha = jnp.exp2(m - m_sub)
+      x = s - lax.broadcast_in_dim(m_sub, s.shape, [0])
+      if expo_scale != 1.0:
+        x = x * expo_scale
+      p = exp2.split_exp2(x, min(config.exp2_fma_cols, s.shape[1]), guard=staging)
       return p, m_new, alpha
+
+    def rescale(acc, alpha):
+      # On the GPU a warp whose rows kept their reference skips the multiplies.
+      return common.scale_rows(acc, alpha,
+                               skip_ones=config.lazy_rescale and not staging)
 
     def compute_step(t, carry, *, masked: bool, half: int | None = None):
       # K of tile t was waited for already: by the previous compute step,
@@ -715,7 +753,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
       p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
                                                             half=half)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      acc = rescale(acc, alpha)
       l = l * alpha
 
       @jax.named_scope("turn")
@@ -811,7 +849,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
             zeros((block_q, block_kv), dtype), m, m, l))
       release["v"].free(prev)
       store_p(p16)  # P_{t-1} V_{t-1} has read the tile.
-      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l
+      return rescale(acc, alpha), m, l
 
     def last_pv(t, carry):
       acc, m, l = carry
@@ -889,6 +927,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       pl.when(next_q[0])(next_q[1])
 
     with jax.named_scope("epilogue"):
+      m = m * expo_scale if expo_scale != 1.0 else m  # Into the exp2 domain.
       if has_sinks:
         # The sink joins the denominator as one more (raw, natural-log) logit.
         sink2 = sink * common.LOG2_E
