@@ -12,6 +12,7 @@ Set FLASH3_FULL_GRID=1 to run issue 3's whole cross product on the GPU
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -403,8 +404,10 @@ def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
 
 # The default config, and part of each tile's exp2 on the FMA pipes
 # (tests/test_exp2.py): the edges its exponent handling could break.
-EDGE_CONFIGS = [None, ForwardConfig(block_kv=64, num_stages=2, exp2_fma_cols=32)]
-EDGE_IDS = ["default", "exp2_fma"]
+EDGE_CONFIGS = [None, ForwardConfig(block_kv=64, num_stages=2, exp2_fma_cols=32),
+                ForwardConfig(block_kv=64, num_stages=2, scale_first=True),
+                ForwardConfig(block_kv=64, num_stages=2, lazy_rescale=False, scale_first=True)]
+EDGE_IDS = ["default", "exp2_fma", "scale_first", "every_tile"]
 
 
 @pytest.mark.interpret
@@ -420,8 +423,9 @@ def test_interpret_extreme_equal_inputs_e03(config):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("scale_first", [False, True], ids=["raw_max", "scale_first"])
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "every_tile"])
-def test_interpret_lazy_rescale_moves_only_past_the_threshold(lazy):
+def test_interpret_lazy_rescale_moves_only_past_the_threshold(lazy, scale_first):
   """ForwardConfig.lazy_rescale: rows whose later key tiles score higher by
   less than the threshold (row 0: +4 in log2 units, kept reference, P up to
   2**4) or by more (row 1: +200, which would overflow P unless the reference
@@ -442,10 +446,12 @@ def test_interpret_lazy_rescale_moves_only_past_the_threshold(lazy):
   k = noise.transpose(1, 0, 2).at[:, :, 0].set(k_rows.T)[None]
   v = jax.random.normal(jax.random.key(8), (1, Tk, rows, D))
   q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  config = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=lazy)
+  config = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=lazy,
+                         scale_first=scale_first)
   o, lse = run_interpret(q, k, v, scale=1.0, mask=NO_MASK, config=config)
   assert_matches(o, lse, q, k, v, scale=1.0, mask=NO_MASK)
-  other = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=not lazy)
+  other = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=not lazy,
+                        scale_first=not scale_first)
   o2, lse2 = run_interpret(q, k, v, scale=1.0, mask=NO_MASK, config=other)
   np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o2, np.float32),
                              atol=1e-2, rtol=1e-2)
@@ -595,16 +601,20 @@ def test_gpu_e02_fully_masked_first_tile_keeps_max(mask):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fields", [{}, dict(scale_first=True),
+                                    dict(scale_first=True, lazy_rescale=False)],
+                         ids=["default", "scale_first", "every_tile"])
 @pytest.mark.parametrize("Tq,Tk,D", [(1, 1, 64), (1, 2, 64), (64, 256, 64), (130, 1000, 128),
                                      (128, 512, 256)])
-def test_gpu_e03_equal_extreme_inputs(Tq, Tk, D):
+def test_gpu_e03_equal_extreme_inputs(Tq, Tk, D, fields):
   """E03 in masked tiles (Tk 1, 2: the tail of one tile) and in whole tiles,
   which take the unmasked path (where LLVM fuses a scale and a subtraction
   into one FMA: before lazy_rescale a row's max got exp2 of that FMA's
   rounding error, which overflows at these magnitudes)."""
   x = jnp.full((1, Tq, 1, D), 133120.0, jnp.bfloat16)
   kv = jnp.full((1, Tk, 1, D), 133120.0, jnp.bfloat16)
-  o, lse = attention_forward(x, kv, kv, scale=D ** -0.5, mask=NO_MASK)
+  config = dataclasses.replace(default_config(D, x.dtype, NO_MASK, Tq, Tk), **fields)
+  o, lse = attention_forward(x, kv, kv, scale=D ** -0.5, mask=NO_MASK, config=config)
   np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
   assert np.isfinite(np.asarray(lse)).all()
 

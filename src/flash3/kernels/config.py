@@ -164,9 +164,14 @@ class ForwardConfig:
       each warp skips rescaling it whenever none of its rows moved their
       reference (a warp vote). The maximum is taken of the raw scores and the
       exponent formed as ``(s - m) * scale * log2(e)``: no multiply before the
-      maximum, and exactly 0 at a row's maximum (E03). False: the max of the
-      scaled scores, every tile rescaled (the kernels until the eighteenth
-      session).
+      maximum, and exactly 0 at a row's maximum (E03). False: every tile
+      rescaled (the kernels until the eighteenth session).
+    scale_first: multiply the scores by ``scale * log2(e)`` before the row
+      max (each product rounded once: ``common.scale_rounded``), then
+      exponentiate ``s - m``; else take the max of the raw scores and
+      exponentiate ``(s - m) * scale * log2(e)``. Both give exp2(0) = 1 at a
+      row's max (E03). The first puts the multiplies before the max, the
+      second after it, beside the exponentials.
   """
 
   block_q: int = 64
@@ -183,6 +188,7 @@ class ForwardConfig:
   exp2_fma_cols: int = 0
   half_edge_tiles: bool = False
   lazy_rescale: bool = True
+  scale_first: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -206,6 +212,7 @@ class ForwardConfig:
     check_registers(self.compute_registers, self.producer_registers)
     check_bool("half_edge_tiles", self.half_edge_tiles)
     check_bool("lazy_rescale", self.lazy_rescale)
+    check_bool("scale_first", self.scale_first)
     if self.half_edge_tiles and not can_halve_tiles(self.block_kv, self.overlap_softmax):
       raise ValueError(
           f"half_edge_tiles=True needs block_kv 128 or 256 and overlap_softmax="

@@ -646,11 +646,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     early_next_q = next_q is not None and separate_o and D > 64
 
     # The online softmax's domain: exp2(x) with x = (s - m) * expo_scale,
-    # s the scores as ``scores`` returns them and m their running max. With
-    # ``lazy_rescale`` and a positive scale, s stays raw (the max needs no
-    # multiply first: scaling by c > 0 is monotone) and expo_scale is
-    # scale * log2(e); else s is already in the exp2 domain and expo_scale 1.
-    raw_scores = config.lazy_rescale and softcap is None and score_scale > 0
+    # s the scores as ``scores`` returns them and m their running max.
+    # Unless ``scale_first`` (or a soft cap, or a scale <= 0), s stays raw
+    # (the max needs no multiply first: scaling by c > 0 is monotone) and
+    # expo_scale is scale * log2(e); else s is already in the exp2 domain
+    # and expo_scale 1.
+    raw_scores = not config.scale_first and softcap is None and score_scale > 0
     expo_scale = score_scale if raw_scores else 1.0
     # A row's reference moves only when a tile's max exceeds it by more than
     # this (in s's units; clamped to stay finite for a tiny scale).
@@ -660,15 +661,15 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       """Raw Q K_t^T -> scores in the softmax's domain (see ``expo_scale``),
       -inf where tile t is masked; ``half`` 0 / 1: s holds only that half of
       the tile's keys."""
-      # Without lazy_rescale: scale first, then take the max of the scaled
-      # scores. (LLVM contracts the later s * c - m into one FMA all the same
-      # where nothing is masked, so there a row's max gets exp2 of a rounding
-      # error, which for |m| >= 2**24 overflows: E03. The lazy path's
-      # (s - m) * c is exactly 0 there.)
+      # E03: exp2's argument must be exactly 0 at a row's max. Raw scores
+      # give (s - m) * c; scaled ones must be rounded before the max and the
+      # subtraction both see them (a plain s * c - m is fused into one FMA by
+      # LLVM where nothing is masked: exp2 of a rounding error, which
+      # overflows for |m| >= 2**31, as it did here until 2026-12-03).
       if raw_scores:
         pass
       elif softcap is None:
-        s = s * score_scale
+        s = common.scale_rounded(s, score_scale, interpret=staging)
       else:
         # The cap acts on natural-unit scores; then into the exp2 domain.
         s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
@@ -719,7 +720,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
       else:
         m_new, m_sub = new_max(s, m, masked=masked)
-        alpha = jnp.exp2(m - m_sub)
+        alpha = jnp.exp2((m - m_sub) * expo_scale if expo_scale != 1.0 else m - m_sub)
       x = s - lax.broadcast_in_dim(m_sub, s.shape, [0])
       if expo_scale != 1.0:
         x = x * expo_scale
