@@ -388,10 +388,18 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # benchmarks/h200/2026-12-02-s12/tune.md). Masks without causal or a
   # window (packed or not) have no cut edge tile and keep whole tiles.
   half_edge_tiles = (windowed or bool(mask.causal)) and can_halve_tiles(block_kv)
+  # The softmax's form (eighteenth session, docs/benchmarks/h200/2026-12-03-s18/,
+  # bfloat16, T 4096 / 16384, causal or not): lazy rescaling gained 3.2-8.3% at
+  # D=256 (raw max) and 1-3% at D=128 (scores scaled first), but cost 1-5% at
+  # D=64 (its 64 x 256 tiles' warp votes weigh more than their 32 rescaling
+  # multiplies per thread), which keeps the every-tile softmax, scaled first.
+  lazy_rescale = head_dim > 64
+  scale_first = head_dim <= 128
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms, pingpong=pingpong,
-                         half_edge_tiles=half_edge_tiles)
+                         half_edge_tiles=half_edge_tiles, lazy_rescale=lazy_rescale,
+                         scale_first=scale_first)
   if not persistent and head_dim <= 64 and (block_kv == 256 or packed):
     # The widest score tile (64 x 256) gains from 8 more registers per compute
     # thread (setmaxnreg 240, the producer 24): D=64 non-causal T >= 8192
