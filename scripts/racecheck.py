@@ -3,7 +3,7 @@
 Runs the forward (plain, causal bottom-right, lengths + segments + softcap + sinks)
 and the backward kernels (dq, dk/dv) through the public API, at B=1, T=192, N=2, K=1,
 then the persistent forward (plain, causal, causal packed documents) with 2 CTAs
-looping over the work items,
+looping over the work items, D=256's default forward (the lazy softmax),
 causal D=64's default (256-key tiles, a 2-slot ring that wraps, persistent),
 the forward with overlapped softmax (grid, persistent), the other ping-pong modes, exp2 on the FMA pipes,
 and the single-kernel backward (dq by TMA reduce-add; per warpgroup and shared),
@@ -107,6 +107,14 @@ o, lse = attention_forward(
     config=ForwardConfig(block_kv=128, reverse_q_tiles=True, persistent=True, num_sms=2,
                          half_edge_tiles=True))
 print(f"persistent D=128 window: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}, "
+      f"nonzero {bool(jnp.any(o != 0))}")
+
+# D=256's default forward: the lazy softmax on raw scores (a warp vote and a
+# branch around the accumulator's rescale) with the hand-off ping-pong.
+q256 = jax.random.normal(ks[0], (1, 192, 2, 256), jnp.bfloat16)
+k256 = jax.random.normal(ks[1], (1, 200, 1, 256), jnp.bfloat16)
+o, _ = attention_forward(q256, k256, k256, scale=0.0625, mask=MaskSpec(causal=True))
+print(f"D=256 default (lazy softmax): finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}, "
       f"nonzero {bool(jnp.any(o != 0))}")
 
 # The persistent forward with packed documents: its schedule table is built on

@@ -5,7 +5,12 @@ specialisation (one TMA producer warpgroup, two compute warpgroups),
 ping-pong scheduling of the two compute warpgroups (section 3.1) so one
 warpgroup's softmax overlaps the other's matmuls, and a multi-stage K/V ring
 in shared memory. The online softmax (FlashAttention-2, Dao 2023, algorithm 1)
-runs in the exp2 domain with ``scale * log2(e)`` folded into the scores.
+runs in the exp2 domain: exp2((s - m) * scale * log2(e)) of the raw scores s and
+their running max m, or, with ``ForwardConfig.scale_first``, exp2(s' - m) of
+scores s' scaled (and rounded) before the max; either way exactly exp2(0) at a
+row's max (E03). With ``ForwardConfig.lazy_rescale`` (FlashAttention-4, Dao et
+al. 2025) a row's reference max moves only when a tile exceeds it by more
+than 2**8, and a warp none of whose rows moved skips the accumulator's rescale.
 
 Synchronisation (kernels/sync.py): at each ping-pong turn point (after a
 warpgroup issues its matmuls, and after its softmax before the next ones)
