@@ -266,9 +266,9 @@ def scale_rows(acc: jax.Array, alpha: jax.Array, *, skip_ones: bool) -> jax.Arra
 
   ``skip_ones`` (GPU only): each warp votes, and a warp whose rows all have
   alpha == 1 keeps acc without the multiplies: the result is the same, and
-  at head_dim 128 a forward tile's 64 multiplies per thread sat on the
-  critical path between a warpgroup's softmax and its P @ V (ptxas places
-  them after the ping-pong barrier). A NaN alpha is not 1, so it still
+  the forward's 64 (head_dim 128) or 128 (256) multiplies per thread and
+  tile sat between a warpgroup's softmax and its P @ V, after the ping-pong
+  barrier where ptxas placed them. A NaN alpha is not 1, so it still
   reaches acc.
   """
   if not skip_ones:

@@ -162,10 +162,8 @@ class ForwardConfig:
       same relative precision in float16 / bfloat16, and o = acc / l is
       unchanged), and most tiles leave the accumulator as it is, so on the GPU
       each warp skips rescaling it whenever none of its rows moved their
-      reference (a warp vote). The maximum is taken of the raw scores and the
-      exponent formed as ``(s - m) * scale * log2(e)``: no multiply before the
-      maximum, and exactly 0 at a row's maximum (E03). False: every tile
-      rescaled (the kernels until the eighteenth session).
+      reference (a warp vote). False: every tile rescaled (the kernels until
+      the eighteenth session).
     scale_first: multiply the scores by ``scale * log2(e)`` before the row
       max (each product rounded once: ``common.scale_rounded``), then
       exponentiate ``s - m``; else take the max of the raw scores and

@@ -658,6 +658,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # and expo_scale 1.
     raw_scores = not config.scale_first and softcap is None and score_scale > 0
     expo_scale = score_scale if raw_scores else 1.0
+    in_exp2 = lambda x: x * expo_scale if expo_scale != 1.0 else x
     # A row's reference moves only when a tile's max exceeds it by more than
     # this (in s's units; clamped to stay finite for a tiny scale).
     threshold = min(RESCALE_THRESHOLD / expo_scale, 1e38)
@@ -671,11 +672,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       # subtraction both see them (a plain s * c - m is fused into one FMA by
       # LLVM where nothing is masked: exp2 of a rounding error, which
       # overflows for |m| >= 2**31, as it did here until 2026-12-03).
-      if raw_scores:
-        pass
-      elif softcap is None:
+      if not raw_scores and softcap is None:
         s = common.scale_rounded(s, score_scale, interpret=staging)
-      else:
+      elif not raw_scores:
         # The cap acts on natural-unit scores; then into the exp2 domain.
         s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
       if masked:
@@ -715,7 +714,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       moves = m_cand > m + threshold
       m_new = jnp.where(moves, m_cand, m)
       m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.where(moves, jnp.exp2((m - m_sub) * expo_scale), 1.0)
+      alpha = jnp.where(moves, jnp.exp2(in_exp2(m - m_sub)), 1.0)
       return m_new, m_sub, alpha
 
     def softmax(s, t, m, *, masked: bool, half: int | None = None):
@@ -725,10 +724,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
       else:
         m_new, m_sub = new_max(s, m, masked=masked)
-        alpha = jnp.exp2((m - m_sub) * expo_scale if expo_scale != 1.0 else m - m_sub)
-      x = s - lax.broadcast_in_dim(m_sub, s.shape, [0])
-      if expo_scale != 1.0:
-        x = x * expo_scale
+        alpha = jnp.exp2(in_exp2(m - m_sub))
+      x = in_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
       p = exp2.split_exp2(x, min(config.exp2_fma_cols, s.shape[1]), guard=staging)
       return p, m_new, alpha
 
@@ -933,7 +930,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       pl.when(next_q[0])(next_q[1])
 
     with jax.named_scope("epilogue"):
-      m = m * expo_scale if expo_scale != 1.0 else m  # Into the exp2 domain.
+      m = in_exp2(m)  # The running max into the exp2 domain.
       if has_sinks:
         # The sink joins the denominator as one more (raw, natural-log) logit.
         sink2 = sink * common.LOG2_E
