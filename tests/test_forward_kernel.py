@@ -428,14 +428,17 @@ def test_interpret_extreme_equal_inputs_e03(config):
 def test_interpret_lazy_rescale_moves_only_past_the_threshold(lazy, scale_first):
   """ForwardConfig.lazy_rescale: rows whose later key tiles score higher by
   less than the threshold (row 0: +4 in log2 units, kept reference, P up to
-  2**4) or by more (row 1: +200, which would overflow P unless the reference
-  moves), and a row whose first tile holds its max (row 2), all against the
-  float32 reference; the lazy and the every-tile kernels agree to rounding."""
+  2**4) or by more (rows 1 and 2: +20 and +200, which would overflow a
+  float16 P, resp. float32, unless the reference moves), and a row whose
+  first tile holds its max (row 3), all against the float32 reference; the
+  lazy and the every-tile kernels agree to rounding. (Whether a row moves
+  below the threshold cannot show in o or lse: moving is always correct.)"""
   D, Tk, block_kv = 64, 192, 64
   log2e = 1.4426950408889634
   # Scores q.k * scale (natural units) chosen per (row, key tile) through
   # column 0 of q and k (q's other columns are 0).
   tile_scores = np.array([[1.0, 1.0 + 4 / log2e, 0.5],
+                          [1.0, 2.0, 2.0 + 20 / log2e],
                           [1.0, 2.0, 2.0 + 200 / log2e],
                           [9.0, 1.0, -3.0]])
   rows = tile_scores.shape[0]
@@ -445,7 +448,7 @@ def test_interpret_lazy_rescale_moves_only_past_the_threshold(lazy, scale_first)
   k_rows = np.repeat(tile_scores, block_kv, axis=1)  # (rows, Tk)
   k = noise.transpose(1, 0, 2).at[:, :, 0].set(k_rows.T)[None]
   v = jax.random.normal(jax.random.key(8), (1, Tk, rows, D))
-  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
   config = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=lazy,
                          scale_first=scale_first)
   o, lse = run_interpret(q, k, v, scale=1.0, mask=NO_MASK, config=config)
@@ -912,6 +915,29 @@ def test_interpret_options_match_reference(case):
   scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)  # make the cap bite
   o, lse = run_interpret_opts(q, k, v, scale=scale, mask=mask, **opts)
   assert o.shape == q.shape and lse.shape == (B, N, Tq)
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+
+
+SOFTMAX_FORMS = {"lazy-raw": dict(lazy_rescale=True, scale_first=False),
+                 "lazy-scaled": dict(lazy_rescale=True, scale_first=True),
+                 "every-tile-raw": dict(lazy_rescale=False, scale_first=False)}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("form", list(SOFTMAX_FORMS))
+@pytest.mark.parametrize("case", [c for c in OPTION_CASES
+                                  if c[0] in ("len-br-gqa", "sinks-br", "all")],
+                         ids=lambda c: c[0])
+def test_interpret_options_under_each_softmax_form(case, form):
+  """The options of OPTION_CASES (lengths, empty rows with sinks, all at once)
+  under the softmax forms forward_config does not pick at D=64."""
+  _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
+  opts = _opts(opts)
+  q, k, v = make_qkv(jax.random.key(Tq + 3 * Tk), B, Tq, Tk, N, K, D, dtype)
+  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  config = dataclasses.replace(default_config(D, dtype, mask, Tq, Tk, interpret=True),
+                               **SOFTMAX_FORMS[form])
+  o, lse = run_interpret_opts(q, k, v, scale=scale, mask=mask, config=config, **opts)
   assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
 
 

@@ -303,10 +303,12 @@ def scale_rows(acc: jax.Array, alpha: jax.Array, *, skip_ones: bool) -> jax.Arra
   return scaled(acc, alpha)
 
 
-def scale_rounded(s: jax.Array, c: float, *, interpret: bool) -> jax.Array:
-  """``s * c`` for a float32 WGMMA-layout tile, each product rounded to
-  float32 once (PTX ``mul.rn``) so that no compiler fuses it with a later
-  add into an FMA. The forward's scaled scores feed both the row max and
+def scale_rounded(s: jax.Array, c: float, *, interpret: bool,
+                  layout=plgpu.Layout.WGMMA) -> jax.Array:
+  """``s * c`` for a float32 array in ``layout`` (a WGMMA-layout tile, or
+  its rows' ``Layout.WGMMA.reduce(1)``), each product rounded to float32
+  once (PTX ``mul.rn``) so that no compiler fuses it with a later add into an
+  FMA. The forward's scaled scores feed both the row max and
   ``s * c - max``; fused, that subtraction saw the unrounded product and a
   row's max got exp2 of a rounding error instead of exp2(0) (E03 in whole
   tiles). Interpret mode: a plain multiply (XLA on the CPU does not fuse it).
@@ -315,8 +317,8 @@ def scale_rounded(s: jax.Array, c: float, *, interpret: bool) -> jax.Array:
     return s * c
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA,),
-      return_type=plgpu.ShapeDtypeStruct(s.shape, s.dtype, layout=plgpu.Layout.WGMMA))
+      arg_types=(layout,),
+      return_type=plgpu.ShapeDtypeStruct(s.shape, s.dtype, layout=layout))
   def scaled(_, s_fa):
     factor = mgpu.FragmentedArray.splat(arith.constant(ir.F32Type.get(), c), s_fa.shape)
     return s_fa._pointwise(mgpu.FragmentedArray._lift_fast_instr("mul.rn.f32"), factor)

@@ -388,9 +388,10 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   half_edge_tiles = (windowed or bool(mask.causal)) and can_halve_tiles(block_kv)
   # The softmax's form (eighteenth session, docs/benchmarks/h200/2026-12-03-s18/,
   # bfloat16, T 4096 / 16384, causal or not): lazy rescaling gained 3.2-8.3% at
-  # D=256 (raw max) and 1-3% at D=128 (scores scaled first), but cost 1-5% at
-  # D=64 (its 64 x 256 tiles' warp votes weigh more than their 32 rescaling
-  # multiplies per thread), which keeps the every-tile softmax, scaled first.
+  # D=256 (raw max) and 1.6-3.6% at D=128 (scores scaled first), but cost up
+  # to 4.6-5.7% at D=64 (its 64 x 256 tiles' warp votes weigh more than their
+  # 32 rescaling multiplies per thread), which keeps the every-tile softmax,
+  # scaled first. (The class defaults are D=256's form.)
   lazy_rescale = head_dim > 64
   scale_first = head_dim <= 128
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,

@@ -99,6 +99,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 
 from flash3 import _device
 from flash3.kernels import common, exp2, schedule, sync
@@ -656,7 +657,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # (the max needs no multiply first: scaling by c > 0 is monotone) and
     # expo_scale is scale * log2(e); else s is already in the exp2 domain
     # and expo_scale 1.
-    raw_scores = not config.scale_first and softcap is None and score_scale > 0
+    # (A scale whose float32 is subnormal or 0 takes the scaled path: a raw
+    # -inf times a zero expo_scale would be NaN.)
+    raw_scores = (not config.scale_first and softcap is None
+                  and np.float32(score_scale) >= np.finfo(np.float32).tiny)
     expo_scale = score_scale if raw_scores else 1.0
     in_exp2 = lambda x: x * expo_scale if expo_scale != 1.0 else x
     # A row's reference moves only when a tile's max exceeds it by more than
@@ -711,7 +715,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       alpha is then exp2 of the move, else exactly 1. NaN scores leave m as
       it is and reach P."""
       m_cand = jnp.maximum(m, s.max(axis=1))
-      moves = m_cand > m + threshold
+      # The difference, not m + threshold: that sum rounds (up by an ulp of m
+      # for |m| >= 2**26), which would let P exceed 2**8 (float16's P
+      # overflows at 2**16). m_cand - m is exact where it matters (Sterbenz).
+      moves = m_cand - m > threshold
       m_new = jnp.where(moves, m_cand, m)
       m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
       alpha = jnp.where(moves, jnp.exp2(in_exp2(m - m_sub)), 1.0)
@@ -930,7 +937,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       pl.when(next_q[0])(next_q[1])
 
     with jax.named_scope("epilogue"):
-      m = in_exp2(m)  # The running max into the exp2 domain.
+      # The running max into the exp2 domain, rounded: the sink's alpha below
+      # subtracts it, and a fused m * c - m_fin would be exp2 of a rounding
+      # error at E03's magnitudes.
+      if expo_scale != 1.0:
+        m = common.scale_rounded(m, expo_scale, interpret=staging, layout=reduced)
       if has_sinks:
         # The sink joins the denominator as one more (raw, natural-log) logit.
         sink2 = sink * common.LOG2_E
