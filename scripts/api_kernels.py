@@ -33,6 +33,9 @@ def main() -> None:
                   help="sequence lengths (B = 16384 / T rows)")
   ap.add_argument("--causal", type=int, nargs="+", default=[0], choices=(0, 1),
                   help="0 (no mask) and/or 1 (causal, bottom-right)")
+  ap.add_argument("--lengths", default=None,
+                  help="valid lengths per batch row, e.g. 4096,3072,2048,1024 "
+                       "(then B is their count; queries and keys alike)")
   ap.add_argument("--iterations", type=int, default=10, help="timed runs per median")
   ap.add_argument("--out", default=None, help="folder for api_kernels.json")
   args = ap.parse_args()
@@ -59,6 +62,12 @@ def main() -> None:
     for T in args.T:
       for causal in args.causal:
         B, N = max(1, 16384 // T), 2048 // D
+        lens = None
+        if args.lengths:
+          lens = jnp.asarray([int(x) for x in args.lengths.split(",")], jnp.int32)
+          B = lens.shape[0]
+        extra = {} if lens is None else dict(query_seq_lengths=lens,
+                                             key_value_seq_lengths=lens)
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v, do = (jax.random.normal(kk, (B, T, N, D), jnp.bfloat16) for kk in keys)
         mask = MaskSpec(causal=bool(causal), alignment="bottom_right")
@@ -66,9 +75,9 @@ def main() -> None:
         def api(impl, q, k, v):
           if impl == "flash3":
             return flash3.dot_product_attention(q, k, v, is_causal=bool(causal),
-                                                implementation="mosaic")
+                                                implementation="mosaic", **extra)
           return jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal),
-                                              implementation="cudnn")
+                                              implementation="cudnn", **extra)
 
         def fwd_bwd(impl):
           def run(q, k, v, do):
@@ -80,11 +89,12 @@ def main() -> None:
         both = {i: fwd_bwd(i) for i in ("flash3", "cudnn")}
         o, lse = flash3.dot_product_attention(q, k, v, is_causal=bool(causal),
                                               implementation="mosaic",
-                                              return_residual=True)
+                                              return_residual=True, **extra)
         lse = lse.transpose(0, 2, 1)  # the API's (B, T, N); the kernel's (B, N, T)
         bwd = jax.jit(lambda q, k, v, o, lse, do: attention_backward(
-            q, k, v, o, lse, do, scale=D ** -0.5, mask=mask))
-        row = dict(D=D, T=T, B=B, N=N, causal=causal)
+            q, k, v, o, lse, do, scale=D ** -0.5, mask=mask,
+            **({} if lens is None else dict(q_lengths=lens, kv_lengths=lens))))
+        row = dict(D=D, T=T, B=B, N=N, causal=causal, lengths=args.lengths)
         for impl in ("flash3", "cudnn"):
           row[f"{impl}_fwd_ms"] = median_ms(fwd[impl], q, k, v)
           row[f"{impl}_fwd_bwd_ms"] = median_ms(both[impl], q, k, v, do)
