@@ -12,8 +12,9 @@ and both backwards in the plain matmul order (overlap_matmuls=False); last, D=12
 by role (``BackwardConfig.role_split``) at D = 64, 192 (with two dq warpgroups)
 and 256, with lengths, segments and a soft cap.
 
-``--only role_split`` runs that last group alone (a kernel new since the last
-full run, checked in a short device call).
+``--only role_split`` runs that group alone (a kernel new since the last
+full run, checked in a short device call); ``--only lengths`` the loads of
+the lengths' end tiles (also run last in a full run).
 """
 import argparse
 import sys
@@ -53,12 +54,43 @@ def role_split_cases():
       raise SystemExit(f"role-split case D={d} computed nothing or non-finite values")
 
 
+def lengths_cases():
+  """Per-batch lengths, whose first and last tiles of q, do, k and v the
+  kernels load from side arrays (kernels/end_tiles.py): a window under
+  the bottom_right shift cuts both ends, through several tiles of each
+  (forward grid and persistent; both backward kernels)."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  keys = jax.random.split(jax.random.key(2), 4)
+  q, do = (jax.random.normal(kk, (2, 300, 2, 64), jnp.bfloat16) for kk in keys[:2])
+  k, v = (jax.random.normal(kk, (2, 300, 1, 64), jnp.bfloat16) for kk in keys[2:])
+  mask = MaskSpec(causal=True, alignment="bottom_right", window_left=30)
+  lens = dict(q_lengths=jnp.array([100, 300], jnp.int32),
+              kv_lengths=jnp.array([290, 201], jnp.int32))
+  for persistent in (False, True):
+    config = ForwardConfig(block_kv=64, persistent=persistent, num_sms=2)
+    o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config, **lens)
+    print(f"lengths forward, persistent={persistent}: finite "
+          f"{bool(jnp.isfinite(o.astype(jnp.float32)).all())}, nonzero {bool(jnp.any(o != 0))}")
+  grads = attention_backward(q, k, v, o, lse, do, scale=0.125, mask=mask,
+                             config=BackwardConfig(block_kv_dq=64, block_q_dkv=64), **lens)
+  finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+  nonzero = [int(jnp.count_nonzero(g)) for g in grads]
+  print(f"lengths backward: finite {finite}, nonzero (dq, dk, dv) {nonzero}")
+  if not (finite and min(nonzero) > 0):
+    raise SystemExit("lengths backward computed nothing or non-finite values")
+
+
+GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases}
+
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--only", choices=["role_split"], default=None,
-                      help="run only this group of cases (then exit)")
-  if parser.parse_args().only == "role_split":
-    role_split_cases()
+  parser.add_argument("--only", choices=sorted(GROUPS), nargs="+", default=None,
+                      help="run only these groups of cases (then exit)")
+  only = parser.parse_args().only
+  if only is not None:
+    for group in only:
+      GROUPS[group]()
     sys.exit(0)
 
 ks = jax.random.split(jax.random.key(0), 3)
@@ -220,3 +252,4 @@ o, lse = attention_forward(q7, k7, v7, scale=0.09, mask=MaskSpec(),
 print(f"192-key tiles at D=128: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 role_split_cases()
+lengths_cases()

@@ -912,6 +912,52 @@ def test_interpret_e07_nan_past_lengths():
   _e07_lengths_case(True)
 
 
+def _e07_outside_reach_case(interpret, D=64):
+  """E07 at both ends of the kept rows (end_tiles.py): under a window and
+  the per-batch bottom_right shift, q and do rows that see no key (inside
+  q_len) and past q_len, and k and v rows no valid query reaches (inside
+  kv_len) and past kv_len, hold NaN/inf/1e30. Each kernel's first and last
+  tiles of every operand cut through such rows at these lengths."""
+  from flash3.visibility import keys_in_reach, queries_in_reach
+  B, Tq, Tk = 2, 300, 300
+  mask = W(window_left=30, causal=True, alignment="bottom_right")
+  opts = _as_arrays(dict(q_lengths=[100, 300], kv_lengths=[290, 201]))
+  q, k, v, do = make_inputs(jax.random.key(27), B, Tq, Tk, 2, 1, D, BF16)
+  ql, kl = opts["q_lengths"], opts["kv_lengths"]
+  rows = np.asarray(queries_in_reach(mask, ql, kl, Tq))
+  keys = np.asarray(keys_in_reach(mask, ql, kl, Tk))
+  # Kept query rows [0, 100) and [99, 300); kept keys [160, 290) and [0, 201).
+  assert [np.argmax(r) for r in rows] == [0, 99] and rows.sum(1).tolist() == [100, 201]
+  assert [np.argmax(r) for r in keys] == [160, 0] and keys.sum(1).tolist() == [130, 201]
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30, -jnp.inf], BF16)
+
+  def corrupt(x, kept):
+    vals = bad[jnp.arange(x.shape[1]) % 4][None, :, None, None]
+    return jnp.where(jnp.asarray(kept)[:, :, None, None], x, vals)
+
+  arrays = {n: x for n, x in opts.items() if n in OPTION_NAMES}
+  o_lse = _opts_grads(q, k, v, do, arrays, scale=0.1, mask=mask, softcap=None)[:2]
+  clean = run_opts(q, k, v, do, scale=0.1, mask=mask, opts=opts,
+                   interpret=interpret, o_lse=o_lse)
+  dirty = run_opts(corrupt(q, rows), corrupt(k, keys), corrupt(v, keys),
+                   corrupt(do, rows), scale=0.1, mask=mask, opts=opts,
+                   interpret=interpret, o_lse=o_lse)
+  for name, a, b in zip(("dq", "dk", "dv"), clean, dirty):
+    assert np.isfinite(_f32(b)).all(), name
+    np.testing.assert_array_equal(_f32(a), _f32(b), err_msg=name)
+
+
+@pytest.mark.interpret
+def test_interpret_e07_nan_outside_reach():
+  _e07_outside_reach_case(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_e07_nan_outside_reach(D):
+  _e07_outside_reach_case(False, D=D)
+
+
 def _e15_case(interpret, D=64):
   """E15: zero-length queries or keys in a batch row: no NaN, zero gradients."""
   (q, *_), _, (dq, dk, dv) = check_opts(

@@ -1026,6 +1026,36 @@ def test_interpret_nan_past_lengths_changes_nothing_e07():
   assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
 
 
+def _poison_outside(x, kept):
+  """x with NaN, Inf and 1e30 (in turn) in the rows where ``kept`` (B, T) is False."""
+  bad = jnp.array([jnp.nan, jnp.inf, 1e30], x.dtype)
+  idx = jnp.arange(x.shape[1])
+  return jnp.where(kept[:, :, None, None], x, bad[idx % 3][None, :, None, None])
+
+
+@pytest.mark.interpret
+def test_interpret_nan_outside_reach_changes_nothing_e07():
+  """E07 at both ends of the kept keys: with a window under the per-batch
+  bottom_right shift, keys before the first valid query's reach (inside
+  kv_len) and past kv_len hold NaN/Inf/1e30; the kernel's first and last key
+  tiles (end_tiles.py) must bring both to P @ V as 0."""
+  from flash3.visibility import keys_in_reach
+  B, Tq, Tk = 2, 64, 300
+  q, k, v = make_qkv(jax.random.key(71), B, Tq, Tk, 2, 1, 64, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[40, 64], kv_lengths=[290, 201]))
+  mask = MaskSpec(causal=True, alignment="bottom_right", window_left=30)
+  kept = keys_in_reach(mask, opts["q_lengths"], opts["kv_lengths"], Tk)
+  # Both ends cut inside a tile of 64 keys (lo = 220 and 107, hi = 290 and 201).
+  lo = np.argmax(np.asarray(kept), axis=1)
+  assert list(lo) == [220, 107], lo
+  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=mask, **opts)
+  o2, lse2 = run_interpret_opts(q, _poison_outside(k, kept), _poison_outside(v, kept),
+                                scale=0.125, mask=mask, **opts)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=mask, **opts)
+
+
 @pytest.mark.interpret
 def test_interpret_kv_lengths_only_e13():
   """E13: key_value_seq_lengths only, B=8, T=128."""
@@ -1264,6 +1294,28 @@ def test_gpu_options_match_reference(case, dtype, D):
   scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
   o, lse = attention_forward(q, k, v, scale=scale, mask=mask, **opts)
   assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_nan_outside_reach_changes_nothing_e07(D, persistent):
+  """The interpret test's case on the GPU: both boundary tiles of V cut
+  through poisoned keys (default tiles, grid and persistent)."""
+  from flash3.visibility import keys_in_reach
+  B, Tq, Tk = 2, 64, 300
+  q, k, v = make_qkv(jax.random.key(72), B, Tq, Tk, 2, 1, D, jnp.bfloat16)
+  opts = _opts(dict(q_lengths=[40, 64], kv_lengths=[290, 201]))
+  mask = MaskSpec(causal=True, alignment="bottom_right", window_left=30)
+  config = dataclasses.replace(default_config(D, jnp.bfloat16, mask, Tq, Tk),
+                               persistent=persistent)
+  kept = keys_in_reach(mask, opts["q_lengths"], opts["kv_lengths"], Tk)
+  o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config, **opts)
+  o2, lse2 = attention_forward(q, _poison_outside(k, kept), _poison_outside(v, kept),
+                               scale=0.125, mask=mask, config=config, **opts)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+  assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=mask, **opts)
 
 
 @pytest.mark.gpu

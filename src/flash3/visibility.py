@@ -173,10 +173,16 @@ def keys_in_reach(spec: MaskSpec, q_lengths, kv_lengths, kv_len_static: int):
     q_lengths, kv_lengths: (B,) int32 valid lengths.
     kv_len_static: Tk, the key axis' size.
   """
+  return _rows_within(key_bounds(spec, q_lengths, kv_lengths), kv_len_static)
+
+
+def key_bounds(spec: MaskSpec, q_lengths, kv_lengths):
+  """((B,), (B,)) int32 [lo, hi): the keys ``keys_in_reach`` keeps, per batch
+  row (hi <= lo where none)."""
   q_len = jnp.asarray(q_lengths, jnp.int32)
   kv_len = jnp.asarray(kv_lengths, jnp.int32)
   bounds = spec.key_range(0, q_len, spec.shift(q_len, kv_len), kv_len)
-  return _rows_within(bounds, kv_len, kv_len_static)
+  return _clip_bounds(bounds, kv_len)
 
 
 def queries_in_reach(spec: MaskSpec, q_lengths, kv_lengths, q_len_static: int):
@@ -185,18 +191,28 @@ def queries_in_reach(spec: MaskSpec, q_lengths, kv_lengths, q_len_static: int):
   The mirror of ``keys_in_reach`` (``MaskSpec.query_range``); rows outside
   see no key, so their q (and do) may be selected to 0 (E06, E07).
   """
+  return _rows_within(query_bounds(spec, q_lengths, kv_lengths), q_len_static)
+
+
+def query_bounds(spec: MaskSpec, q_lengths, kv_lengths):
+  """The mirror of ``key_bounds``: the query rows ``queries_in_reach`` keeps."""
   q_len = jnp.asarray(q_lengths, jnp.int32)
   kv_len = jnp.asarray(kv_lengths, jnp.int32)
   bounds = spec.query_range(0, kv_len, spec.shift(q_len, kv_len), q_len)
-  return _rows_within(bounds, q_len, q_len_static)
+  return _clip_bounds(bounds, q_len)
 
 
-def _rows_within(bounds, length, size: int):
-  """(B, size) bool: lo[b] <= i < min(hi[b], length[b]); bounds may be ints."""
-  lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), length.shape)[:, None]
-            for x in bounds)
+def _clip_bounds(bounds, length):
+  """(lo, hi) as (B,) int32 arrays within [0, length] (bounds may be ints)."""
+  lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), length.shape) for x in bounds)
+  return jnp.maximum(lo, 0), jnp.minimum(hi, length)
+
+
+def _rows_within(bounds, size: int):
+  """(B, size) bool: lo[b] <= i < hi[b]."""
+  lo, hi = (x[:, None] for x in bounds)
   i = jnp.arange(size, dtype=jnp.int32)[None, :]
-  return (i >= lo) & (i < hi) & (i < length[:, None])
+  return (i >= lo) & (i < hi)
 
 
 def dense_mask(

@@ -43,9 +43,11 @@ lists those tested):
 * q/kv lengths (B,) int32: read in-kernel as per-batch scalars from global
   memory; they bound the tiles visited (so work scales with the valid part),
   give bottom_right its per-batch shift kv_len - q_len, and mask boundary
-  tiles. E07: q, do rows past q_len and k, v rows past kv_len are selected to
-  0 in XLA first (one extra read+write of q, do, k and v, only with lengths),
-  and lse/delta of rows past q_len are set to +inf/0 (p = 0 whatever the
+  tiles. E07: q, do rows past q_len (or seeing no key) and k, v rows past
+  kv_len (or no valid query reaches) reach the matmuls as 0: each kernel
+  loads a batch row's first and last tile of each from small side arrays
+  where they are (``end_tiles``), not selected copies of the whole arrays;
+  lse/delta of those query rows are set to +inf/0 (p = 0 whatever the
   forward wrote there, sinks included). dq rows past q_len and dk, dv rows
   past kv_len are selected to exactly 0 at the end.
 * soft cap c: s_c = c tanh(scale s / c), p = exp(s_c - lse) and
@@ -95,7 +97,7 @@ from flash3.kernels.backward_dkv import dkv_call
 from flash3.kernels.backward_dq import dq_call
 from flash3.kernels.config import SMEM_LIMIT_BYTES
 from flash3.kernels.forward import _check_extras, _segment_tile_ranges
-from flash3.visibility import MaskSpec, keys_in_reach, queries_in_reach
+from flash3.visibility import MaskSpec, key_bounds, query_bounds
 
 __all__ = ["BackwardConfig", "SMEM_LIMIT_BYTES", "SUPPORTED_FEATURES",
            "attention_backward", "backward_residuals", "unsupported_reason"]
@@ -254,15 +256,15 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                          q_segment_ids, kv_segment_ids, softcap, None)
   lengths = extras["lengths"]
   zero = lambda x, ok: jnp.where(ok[:, :, None, None], x, jnp.zeros((), x.dtype))
+  bounds = None
   if lengths is not None:
     # E06, E07: q, do rows past q_len or seeing no key, and k, v rows past
     # kv_len or beyond every valid query's causal / window reach, may hold
-    # NaN/Inf; 0 * NaN is NaN, so they are selected to 0 here (one extra
-    # read+write of q, do, k and v; only when lengths are given).
-    q_ok = queries_in_reach(mask, lengths[0], lengths[1], q_len)
-    k_ok = keys_in_reach(mask, lengths[0], lengths[1], kv_len)
-    q, do = zero(q, q_ok), zero(do, q_ok)
-    k, v = zero(k, k_ok), zero(v, k_ok)
+    # NaN/Inf; 0 * NaN is NaN, so they must reach the matmuls as 0. Only a
+    # batch row's first and last tile of each can hold such rows: the
+    # kernels load those from small side arrays where they are
+    # (end_tiles.py), not from a selected copy of the whole array.
+    bounds = (query_bounds(mask, *lengths), key_bounds(mask, *lengths))
   else:
     # The same for query rows that see no key by the mask alone (causal
     # bottom_right with Tq > Tk, windows): static, so only then a select.
@@ -285,14 +287,16 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
   lse2, delta = backward_residuals(o, lse, do, pad_to, delta)
   if lengths is not None:
-    # Rows past q_len: p = 0 (lse +inf) and delta 0, whatever o or lse hold.
+    # Rows past q_len or seeing no key: p = 0 (lse +inf) and delta 0,
+    # whatever o, do (NaN there makes delta NaN) or lse hold.
     rows = jnp.arange(lse2.shape[2], dtype=jnp.int32)[None, None, :]
-    ok = rows < lengths[0][:, None, None]
+    (q_lo, q_hi), _ = bounds
+    ok = (rows >= q_lo[:, None, None]) & (rows < q_hi[:, None, None])
     lse2 = jnp.where(ok, lse2, jnp.inf)
     delta = jnp.where(ok, delta, 0.0)
   scale = float(scale)
   kwargs = dict(q_len=q_len, kv_len=kv_len, scale=scale, mask=mask,
-                config=config, interpret=interpret, lengths=lengths,
+                config=config, interpret=interpret, lengths=lengths, bounds=bounds,
                 softcap=extras["softcap"])
   dq_segments = dkv_segments = None
   if extras["segments"] is not None:

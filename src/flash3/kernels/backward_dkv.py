@@ -17,12 +17,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import backward_tiles as tiles
-from flash3.kernels import common
+from flash3.kernels import end_tiles, common
 
 
 def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
              interpret, outputs: tuple[str, ...], release_early: bool = False,
-             lengths=None, segments=None, softcap=None, dq_mode=None):
+             lengths=None, bounds=None, segments=None, softcap=None, dq_mode=None):
   """Returns dk and/or dv (``outputs`` names which) in the input dtype.
 
   ``dq_mode`` (``BackwardConfig.deterministic`` False): also returns the
@@ -34,7 +34,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   no reduce-add).
 
   q_len, kv_len are the true lengths; the arrays may be longer (padded).
-  ``lengths``, ``segments`` as in ``backward_dq.dq_call``, the segment ranges here being
+  ``lengths``, ``bounds``, ``segments`` as in ``backward_dq.dq_call``, the segment ranges here being
   per key tile of ``block_kv_dkv`` rows: the query tiles it may see.
   ``release_early`` is for tests only: it releases each streamed slot before
   its last read (the delta load), a deliberate race that race detection in
@@ -65,8 +65,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   # parity in ds_smem2[parity * wgs + warpgroup]).
   share = dq_mode is not None and config.share_dq
   half = head_dim // wgs if share else head_dim
-  extra = ((*lengths,) if lengths is not None else ()) + (
-      (*segments,) if segments is not None else ())
+  extra = tiles.length_extras(q, k, v, do, lengths, bounds, block_q=bq,
+                              block_kv=bk) + ((*segments,) if segments is not None else ())
   # dq's float32 accumulator: a zeroed mutable array the kernel closes over
   # (Pallas passes it in and aliases it to an output), made inside ``run``
   # below so it is a traced value under jit. "atomic": every CTA adds into one
@@ -82,7 +82,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
      k_bars, v_bars, q_bars, do_bars, lse_bars, delta_bars, consumed,
      ds_ready, all_done, p_ready) = rest
     b = lax.axis_index(common.BATCH_AXIS)
-    lens, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
+    lens, edges, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
                                         segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
@@ -204,8 +204,10 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         def _():
           # Each warpgroup loads the one K or V tile it reads, and stages its
           # result there once its last matmul has read it.
+          name = "k" if role == 0 else "v"
           src = k_ref if role == 0 else v_ref
-          plgpu.copy_gmem_to_smem(src.at[keys], tile, bars.at[0])
+          end_tiles.copy_tile(src, edges.get(name), b, lax.div(k_lo, jnp.int32(bk)),
+                                   bk, kv_head, tile, bars.at[0])
           plgpu.barrier_wait(bars.at[0])
           acc = walk(step, zeros)
           if out == "dk":
@@ -227,8 +229,11 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       staging = staging2.at[wg] if staged else None
       keys = (b, pl.ds(k_lo, bk), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, k_bars.at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, v_bars.at[wg])
+      k_tile = lax.div(k_lo, jnp.int32(bk))
+      end_tiles.copy_tile(k_ref, edges.get("k"), b, k_tile, bk, kv_head, k_smem,
+                               k_bars.at[wg])
+      end_tiles.copy_tile(v_ref, edges.get("v"), b, k_tile, bk, kv_head, v_smem,
+                               v_bars.at[wg])
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
       t_lo, a, b_full, t_hi = tiles.own_sections(plan_of(k_lo), cta_lo, cta_hi)
@@ -419,9 +424,11 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         h = kv_head * group + g
         rows = (b, pl.ds(t * bq, bq), h)
         vec = (b, h, pl.ds(t * bq, bq))
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_ring.at[slot], q_bars.at[slot])
+        end_tiles.copy_tile(q_ref, edges.get("q"), b, t, bq, h, q_ring.at[slot],
+                                 q_bars.at[slot])
         plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_ring.at[slot], lse_bars.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_ring.at[slot], do_bars.at[slot])
+        end_tiles.copy_tile(do_ref, edges.get("do"), b, t, bq, h, do_ring.at[slot],
+                                 do_bars.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_ring.at[slot],
                                 delta_bars.at[slot])
 

@@ -16,14 +16,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import backward_tiles as tiles
-from flash3.kernels import common
+from flash3.kernels import end_tiles, common
 
 
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-            interpret, lengths=None, segments=None, softcap=None):
+            interpret, lengths=None, bounds=None, segments=None, softcap=None):
   """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
 
-  ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths.
+  ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths;
+  with them ``bounds``, the kept query rows and keys (``tiles.length_extras``).
   ``segments``: None or (q_ids, kv_ids, ranges): ids padded to whole tiles and
   the (B, query tiles, 4) key tile ranges of ``forward._segment_tile_ranges``.
   """
@@ -36,8 +37,8 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   staged = not common.uses_register_operands(interpret)
   overlap = config.overlap_matmuls and not staged
   num_q_tiles = pl.cdiv(q_len, wgs * bq)
-  extra = ((*lengths,) if lengths is not None else ()) + (
-      (*segments,) if segments is not None else ())
+  extra = tiles.length_extras(q, k, v, do, lengths, bounds, block_q=bq,
+                              block_kv=bk) + ((*segments,) if segments is not None else ())
 
   def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
     extra_refs, rest = rest[:len(extra)], rest[len(extra):]
@@ -45,7 +46,7 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
      staging2, q_bars, do_bars, lse_bars, delta_bars,
      k_bars, v_bars, consumed) = rest
     b = lax.axis_index(common.BATCH_AXIS)
-    lens, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
+    lens, edges, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
                                         segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
@@ -74,8 +75,11 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
       staging = staging2.at[wg] if staged else None
       rows = (b, pl.ds(q_lo, bq), h)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_bars.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, do_bars.at[wg])
+      q_tile = lax.div(q_lo, jnp.int32(bq))
+      end_tiles.copy_tile(q_ref, edges.get("q"), b, q_tile, bq, h, q_smem,
+                               q_bars.at[wg])
+      end_tiles.copy_tile(do_ref, edges.get("do"), b, q_tile, bq, h, do_smem,
+                               do_bars.at[wg])
       vec = (b, h, pl.ds(q_lo, bq))
       plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, lse_bars.at[wg])
       plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
@@ -158,9 +162,10 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
       def load(t):
         slot = slot_of(t)
-        keys = (b, pl.ds(t * bk, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_bars.at[slot])
+        end_tiles.copy_tile(k_ref, edges.get("k"), b, t, bk, kv_head,
+                                 k_ring.at[slot], k_bars.at[slot])
+        end_tiles.copy_tile(v_ref, edges.get("v"), b, t, bk, kv_head,
+                                 v_ring.at[slot], v_bars.at[slot])
 
       for i in range(stages):
         pl.when(i < num_steps)(lambda i=i: load(cta_lo + i))

@@ -12,7 +12,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from flash3.kernels import common, exp2
+from flash3.kernels import end_tiles, common, exp2
 
 
 # Tile ranges. All arithmetic is on int32 scalars (traced or Python ints) and
@@ -128,15 +128,37 @@ def through_softcap(ds, th):
   return ds if th is None else ds * (1.0 - th * th)
 
 
+END_TILE_OPERANDS = ("q", "do", "k", "v")
+
+
+def length_extras(q, k, v, do, lengths, bounds, *, block_q: int, block_kv: int):
+  """A kernel's extra inputs for per-batch lengths: the two length arrays,
+  then q, do, k and v's ``end_tiles.build`` pairs for its tile sizes
+  (``bounds``: the kept query rows and keys, ``visibility.query_bounds`` and
+  ``key_bounds``). Empty without lengths."""
+  if lengths is None:
+    return ()
+  (q_lo, q_hi), (k_lo, k_hi) = bounds
+  out = tuple(lengths)
+  for x, lo, hi, block in ((q, q_lo, q_hi, block_q), (do, q_lo, q_hi, block_q),
+                           (k, k_lo, k_hi, block_kv), (v, k_lo, k_hi, block_kv)):
+    out += end_tiles.build(x, lo, hi, block)
+  return out
+
+
 def split_extras(refs, has_lengths: bool, has_segments: bool, b):
-  """(q_len, kv_len) scalars (or None) and the segment refs (or None) of one batch row."""
+  """(q_len, kv_len) scalars (or None), the end tile refs (a dict of
+  ``END_TILE_OPERANDS``, empty without lengths) and the segment refs (or
+  None) of one batch row."""
   refs = list(refs)
-  lens = None
+  lens, edges = None, {}
   if has_lengths:
     # Per-batch scalars: scalar loads from global memory, kept in registers.
     q_len_ref, kv_len_ref = refs.pop(0), refs.pop(0)
     lens = (q_len_ref[b], kv_len_ref[b])
-  return lens, (tuple(refs) if has_segments else None)
+    for name in END_TILE_OPERANDS:
+      edges[name] = (refs.pop(0), refs.pop(0))
+  return lens, edges, (tuple(refs) if has_segments else None)
 
 
 def set_registers(num_compute_wgs: int, compute: bool, config) -> None:

@@ -43,9 +43,10 @@ addresses by per-dimension coordinates from a 64-bit base.
 
 Options (issue 6, semantics of docs/semantics.md): per-batch q/kv lengths
 are read in-kernel as scalars from global memory; they bound the key tiles
-streamed and, for bottom_right, give a per-batch shift. V rows past kv_len are
-selected to 0 in XLA before the kernel (E07: p = 0 times NaN is NaN), one extra
-read+write of v, only when lengths are given. Segment ids: per query tile of
+streamed and, for bottom_right, give a per-batch shift. V rows past kv_len (or
+no valid query reaches) must reach P @ V as 0 (E07: p = 0 times NaN is NaN):
+the kernel loads each batch row's first and last key tile of V from a small
+side array where they are (``end_tiles``), not a selected copy of v. Segment ids: per query tile of
 64 rows, the first/last key tile its documents may touch and the run of tiles
 holding only its one id (no per-element mask) are computed once per call in
 XLA from per-tile min/max ids; boundary tiles compare ids loaded from global
@@ -102,12 +103,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash3 import _device
-from flash3.kernels import common, exp2, schedule, sync
+from flash3.kernels import end_tiles, common, exp2, schedule, sync
 from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
                                    RESCALE_THRESHOLD, ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
-from flash3.visibility import MaskSpec, keys_in_reach
+from flash3.visibility import MaskSpec, key_bounds
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Optional inputs of ``attention_forward`` that the kernel supports (issue 6);
@@ -231,13 +232,6 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   Tk = k.shape[1]
   extras = _check_extras(B, Tq, Tk, N, q_lengths, kv_lengths, q_segment_ids,
                          kv_segment_ids, softcap, sinks)
-  if extras["lengths"] is not None:
-    # E07: keys past kv_len, or beyond every valid query's causal / window
-    # reach, may hold NaN/Inf; p = 0 times NaN is NaN, so those V rows are
-    # selected to 0 here (one extra read+write of v; only with lengths). K
-    # needs nothing: its scores are selected to -inf in-kernel.
-    valid = keys_in_reach(mask, *extras["lengths"], Tk)
-    v = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))
   d_pad = _round_up(D, HEAD_DIM_MULTIPLE)
   # Mosaic GPU's tiled TMA views a length T > 8 as (T / 8, 8) rows, so a T
   # that is not a multiple of 8 cannot be described; only then is the tensor
@@ -258,6 +252,16 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
   check_fits(config, d_pad, q.dtype.itemsize,
              num_stages=_num_stages(config, Tk),
              interpret=interpret_params is not None)
+  v_edges = None
+  if extras["lengths"] is not None:
+    # E07: keys past kv_len, or beyond every valid query's causal / window
+    # reach, may hold NaN/Inf; p = 0 times NaN is NaN, so those V rows must
+    # reach P @ V as 0. Only a batch row's first and last key tiles can hold
+    # such rows; the kernel loads them from a side array where they are
+    # (end_tiles.py). K needs nothing: its scores are selected to -inf
+    # in-kernel.
+    v_edges = end_tiles.build(v, *key_bounds(mask, *extras["lengths"]),
+                               config.block_kv)
   separate_o = False
   if config.persistent:
     separate_o = persistent_separate_o(
@@ -265,7 +269,7 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
         interpret=interpret_params is not None)
     if PERSISTENT_SEPARATE_O is not None:
       separate_o = bool(PERSISTENT_SEPARATE_O)
-  o, lse = _forward(q, k, v, extras["lengths"], extras["sinks"],
+  o, lse = _forward(q, k, v, extras["lengths"], v_edges, extras["sinks"],
                     extras["segments"], scale=scale,
                     mask=mask, config=config, interpret=interpret_params,
                     q_len=Tq, kv_len=Tk, softcap=extras["softcap"],
@@ -372,14 +376,15 @@ def _num_stages(config: ForwardConfig, kv_len: int) -> int:
 @functools.partial(jax.jit, static_argnames=(
     "scale", "mask", "config", "interpret", "q_len", "kv_len", "softcap",
     "drain", "separate_o", "profile"))
-def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
+def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: MaskSpec,
              config: ForwardConfig, interpret: Any, q_len: int, kv_len: int,
              softcap: float | None, drain: bool = True,
              separate_o: bool = False, profile: tuple[int, str] | None = None):
   """The kernel launch; q_len/kv_len are the true lengths (q, k, v may be longer).
 
   ``lengths`` (None or (q_len, kv_len) (B,) int32) and ``sinks`` (None or
-  (N,) float32) are extra kernel inputs, read as scalars from global memory.
+  (N,) float32) are extra kernel inputs, read as scalars from global memory;
+  with lengths, ``v_edges`` is v's ``end_tiles.build`` pair for block_kv.
   ``segments`` (None or (q_ids, kv_ids)) adds the ids (padded to whole tiles)
   and the per-query-tile key tile ranges of ``_segment_tile_ranges``.
   ``drain``: ``common.drains_barriers`` (a static argument, so jit keys on it).
@@ -408,7 +413,7 @@ def _forward(q, k, v, lengths, sinks, segments, *, scale: float, mask: MaskSpec,
       has_sinks=sinks is not None, has_segments=segments is not None,
       softcap=softcap, drain=drain, num_heads=N, batch_size=B,
       separate_o=separate_o, named=named, staging=staging)
-  extra_inputs = ((*lengths,) if lengths is not None else ()) + (
+  extra_inputs = ((*lengths, *v_edges) if lengths is not None else ()) + (
       (sinks,) if sinks is not None else ())
   if segments is not None:
     q_ids, kv_ids = segments
@@ -553,6 +558,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   extra_refs = list(extra_refs)
   schedule_ref = extra_refs.pop() if num_ctas is not None else None
   len_refs = (extra_refs.pop(0), extra_refs.pop(0)) if has_lengths else None
+  # V's end tiles and their indices (end_tiles.py), with the lengths.
+  v_edge_refs = (extra_refs.pop(0), extra_refs.pop(0)) if has_lengths else None
   sink_ref = extra_refs.pop(0) if has_sinks else None
   seg_refs = tuple(extra_refs) if has_segments else None
   static_lengths = (Tq, Tk)
@@ -1001,16 +1008,15 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     def load(t, slot, wait_free=None):
       """K then V of tile t into ``slot``; each first waits for the slot's
       release when ``wait_free`` (a static True, or a traced condition) says so."""
-      rows = (batch, pl.ds(t * block_kv, block_kv), kv_head)
       for name in ("k", "v"):
         slot_wait = jax.named_scope("slot_wait")(release[name].wait)
         if wait_free is True:
           slot_wait(slot)
         elif wait_free is not None:
           pl.when(wait_free)(functools.partial(slot_wait, slot))
-        ref = k_ref if name == "k" else v_ref
-        plgpu.copy_gmem_to_smem(ref.at[rows], smem[name].at[slot],
-                                smem[f"{name}_loaded"].at[slot])
+        ref, edges = (k_ref, None) if name == "k" else (v_ref, v_edge_refs)
+        end_tiles.copy_tile(ref, edges, batch, t, block_kv, kv_head,
+                             smem[name].at[slot], smem[f"{name}_loaded"].at[slot])
 
     if g0 is None:
       for i in range(stages):
