@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import backward_tiles as tiles
-from flash3.kernels import end_tiles, common
+from flash3.kernels import common, end_tiles
 
 
 def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
@@ -83,7 +83,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
      ds_ready, all_done, p_ready) = rest
     b = lax.axis_index(common.BATCH_AXIS)
     lens, edges, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
-                                        segments is not None, b)
+                                               segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
 
@@ -207,7 +207,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           name = "k" if role == 0 else "v"
           src = k_ref if role == 0 else v_ref
           end_tiles.copy_tile(src, edges.get(name), b, lax.div(k_lo, jnp.int32(bk)),
-                                   bk, kv_head, tile, bars.at[0])
+                              bk, kv_head, tile, bars.at[0])
           plgpu.barrier_wait(bars.at[0])
           acc = walk(step, zeros)
           if out == "dk":
@@ -231,9 +231,9 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       keys = (b, pl.ds(k_lo, bk), kv_head)
       k_tile = lax.div(k_lo, jnp.int32(bk))
       end_tiles.copy_tile(k_ref, edges.get("k"), b, k_tile, bk, kv_head, k_smem,
-                               k_bars.at[wg])
+                          k_bars.at[wg])
       end_tiles.copy_tile(v_ref, edges.get("v"), b, k_tile, bk, kv_head, v_smem,
-                               v_bars.at[wg])
+                          v_bars.at[wg])
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
       t_lo, a, b_full, t_hi = tiles.own_sections(plan_of(k_lo), cta_lo, cta_hi)
@@ -422,13 +422,12 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         g = lax.div(i, jnp.maximum(tiles_per_head, 1))
         t = cta_lo + i - g * tiles_per_head
         h = kv_head * group + g
-        rows = (b, pl.ds(t * bq, bq), h)
         vec = (b, h, pl.ds(t * bq, bq))
         end_tiles.copy_tile(q_ref, edges.get("q"), b, t, bq, h, q_ring.at[slot],
-                                 q_bars.at[slot])
+                            q_bars.at[slot])
         plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_ring.at[slot], lse_bars.at[slot])
         end_tiles.copy_tile(do_ref, edges.get("do"), b, t, bq, h, do_ring.at[slot],
-                                 do_bars.at[slot])
+                            do_bars.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_ring.at[slot],
                                 delta_bars.at[slot])
 

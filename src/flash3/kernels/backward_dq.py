@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import backward_tiles as tiles
-from flash3.kernels import end_tiles, common
+from flash3.kernels import common, end_tiles
 
 
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
@@ -47,7 +47,7 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
      k_bars, v_bars, consumed) = rest
     b = lax.axis_index(common.BATCH_AXIS)
     lens, edges, seg_refs = tiles.split_extras(extra_refs, lengths is not None,
-                                        segments is not None, b)
+                                               segments is not None, b)
     ql, kl = (q_len, kv_len) if lens is None else lens
     shift = mask.shift(ql, kl)
 
@@ -77,9 +77,9 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       rows = (b, pl.ds(q_lo, bq), h)
       q_tile = lax.div(q_lo, jnp.int32(bq))
       end_tiles.copy_tile(q_ref, edges.get("q"), b, q_tile, bq, h, q_smem,
-                               q_bars.at[wg])
+                          q_bars.at[wg])
       end_tiles.copy_tile(do_ref, edges.get("do"), b, q_tile, bq, h, do_smem,
-                               do_bars.at[wg])
+                          do_bars.at[wg])
       vec = (b, h, pl.ds(q_lo, bq))
       plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, lse_bars.at[wg])
       plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
@@ -163,9 +163,9 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       def load(t):
         slot = slot_of(t)
         end_tiles.copy_tile(k_ref, edges.get("k"), b, t, bk, kv_head,
-                                 k_ring.at[slot], k_bars.at[slot])
+                            k_ring.at[slot], k_bars.at[slot])
         end_tiles.copy_tile(v_ref, edges.get("v"), b, t, bk, kv_head,
-                                 v_ring.at[slot], v_bars.at[slot])
+                            v_ring.at[slot], v_bars.at[slot])
 
       for i in range(stages):
         pl.when(i < num_steps)(lambda i=i: load(cta_lo + i))

@@ -12,7 +12,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from flash3.kernels import end_tiles, common, exp2
+from flash3.kernels import common, end_tiles, exp2
 
 
 # Tile ranges. All arithmetic is on int32 scalars (traced or Python ints) and

@@ -103,7 +103,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash3 import _device
-from flash3.kernels import end_tiles, common, exp2, schedule, sync
+from flash3.kernels import common, end_tiles, exp2, schedule, sync
 from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
                                    RESCALE_THRESHOLD, ForwardConfig,
                                    check_fits, forward_config,
@@ -1016,7 +1016,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           pl.when(wait_free)(functools.partial(slot_wait, slot))
         ref, edges = (k_ref, None) if name == "k" else (v_ref, v_edge_refs)
         end_tiles.copy_tile(ref, edges, batch, t, block_kv, kv_head,
-                             smem[name].at[slot], smem[f"{name}_loaded"].at[slot])
+                        smem[name].at[slot], smem[f"{name}_loaded"].at[slot])
 
     if g0 is None:
       for i in range(stages):
