@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import backward_tiles as tiles
-from flash3.kernels import common, end_tiles
+from flash3.kernels import common, end_tiles, tile_mask
 
 
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
@@ -100,13 +100,9 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         shape = (bq, bk)
         keep = None
         if masked:
-          q_ids = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                                layout=plgpu.Layout.WGMMA)
-          k_ids = t * bk + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                  layout=plgpu.Layout.WGMMA)
-          keep = mask.visible(q_ids, k_ids, shift) & (k_ids < kl)
-          if lens is not None:
-            keep = keep & (q_ids < ql)
+          keep = tile_mask.keep(
+              tile_mask.key_bounds(mask, q_lo, bq, shift, kl,
+                                   None if lens is None else ql), t * bk, shape)
           if seg_refs is not None:
             k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
                                layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
@@ -132,8 +128,8 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           dp = common.matmul_smem(do_smem, v_smem.transpose((1, 0)), shape)
         ds = tiles.through_softcap(
             p * (dp - lax.broadcast_in_dim(delta_row, dp.shape, [0])), th)
-        if masked:  # Select, so NaN/inf in masked V rows cannot leak.
-          ds = jnp.where(keep, ds, 0.0)
+        if masked:
+          ds = tiles.zero_where_unseen(ds, p)
         dq = common.accumulate_register_lhs(dq, ds.astype(dtype), k_smem,
                                             staging=staging)
         plgpu.barrier_arrive(consumed.at[slot])

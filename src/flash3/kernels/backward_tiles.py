@@ -128,6 +128,18 @@ def through_softcap(ds, th):
   return ds if th is None else ds * (1.0 - th * th)
 
 
+def zero_where_unseen(ds, p):
+  """ds with 0 wherever p is exactly 0: masked pairs (p was selected to 0),
+  so NaN or inf in a V row that this query cannot see cannot leak into dq or
+  dk through 0 * (dp - delta).
+
+  Selecting on p rather than on the tile's keep frees the keep's registers
+  across the dp matmul. A visible pair whose p underflowed to 0 gets ds = 0
+  too, which is its exact value whenever dp - delta is finite (and p = 0
+  contributes nothing to o, so nothing of it to differentiate)."""
+  return jnp.where(p == 0.0, 0.0, ds)
+
+
 END_TILE_OPERANDS = ("q", "do", "k", "v")
 
 

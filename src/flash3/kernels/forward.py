@@ -29,8 +29,9 @@ CTA visits the key tiles that some of its rows can see
 (``MaskSpec.key_range``); the producer streams exactly those. A warpgroup
 skips (waits, releases, does no math on) tiles none of its own rows can see,
 computes tiles every row sees in full (``MaskSpec.full_key_range``) without a
-mask, and applies the elementwise mask (``MaskSpec.visible`` on iotas, plus
-``key < Tk`` for the ragged last tile) only on the boundary tiles.
+mask, and applies the elementwise mask (each row's key range by
+``MaskSpec.key_range`` and Tk, against the column indices: ``tile_mask``) only
+on the boundary tiles.
 
 Ragged lengths: TMA zero-fills loads past Tq / Tk and drops stores past Tq,
 so lengths that are multiples of 8 (any multiple, not of the blocks) need no
@@ -103,7 +104,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash3 import _device
-from flash3.kernels import common, end_tiles, exp2, schedule, sync
+from flash3.kernels import common, end_tiles, exp2, schedule, sync, tile_mask
 from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
                                    RESCALE_THRESHOLD, ForwardConfig,
                                    check_fits, forward_config,
@@ -689,14 +690,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         # The cap acts on natural-unit scores; then into the exp2 domain.
         s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
       if masked:
-        q_idx = q_lo + plgpu.broadcasted_iota(
-            jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
         k0 = t * block_kv + (0 if half is None else half * (block_kv // 2))
-        k_idx = k0 + plgpu.broadcasted_iota(
-            jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        keep = k_idx < Tk
-        if mask.is_structural:
-          keep = keep & mask.visible(q_idx, k_idx, shift)
+        # Each row's key range (the mask's and Tk), against the columns.
+        keep = tile_mask.keep(
+            tile_mask.key_bounds(mask, q_lo, s.shape[0], shift, Tk), k0, s.shape)
         if has_segments:
           kv_ids = plgpu.load(
               kv_ids_ref.at[batch, pl.ds(k0, s.shape[1])],
