@@ -130,8 +130,9 @@ def through_softcap(ds, th):
 
 def zero_where_unseen(ds, p):
   """ds with 0 wherever p is exactly 0: masked pairs (p was selected to 0),
-  so NaN or inf in a V row that this query cannot see cannot leak into dq or
-  dk through 0 * (dp - delta).
+  so NaN or inf in a V row that this query cannot see cannot leak into dq
+  through 0 * (dp - delta). (The dq kernel's; the dk/dv kernel selects on its
+  keep, see ``tile_mask``.)
 
   Selecting on p rather than on the tile's keep frees the keep's registers
   across the dp matmul. A visible pair whose p underflowed to 0 gets ds = 0

@@ -3,10 +3,11 @@
 In the forward and dq kernels a tile's rows are queries. By
 ``visibility.MaskSpec`` every query sees one contiguous range of keys (a
 one-row ``key_range``), so a tile's keep is two compares per element of the
-key index against its row's bounds (one without a window's left edge).
+key index against its row's bounds (one without a window's left edge; Tk
+and the right edge fold into one bound).
 
 The pairwise rule (``MaskSpec.visible`` on a query and a key index tile, and
-``key < Tk``) gives the same keep with three compares per element. In the dq
+``key < Tk``) gives the same keep with one compare more per element. In the dq
 kernel its keep (a boolean per element) also stayed live across the dP matmul,
 where ptxas spilled 168 bytes at head_dim 128, causal; that kernel now selects
 ds on p instead (``backward_tiles.zero_where_unseen``) and spills none (H200,
