@@ -1267,20 +1267,22 @@ PAIR_DQ = dict(deterministic=False, block_q_dkv=64, pair_dq=True)
 def test_pair_dq_is_checked():
   with pytest.raises(ValueError, match="pair_dq"):
     BackwardConfig(pair_dq=1)
-  for bad in (dict(), dict(deterministic=False, block_q_dkv=64, share_dq=True),
-              dict(deterministic=False, block_q_dkv=64, overlap_matmuls=False)):
+  for bad in (dict(), dict(deterministic=False, block_q_dkv=64, overlap_matmuls=False)):
     with pytest.raises(ValueError, match="pair_dq=True needs"):
       BackwardConfig(pair_dq=True, **bad)
   assert BackwardConfig(**PAIR_DQ).pair_dq
+  assert BackwardConfig(**PAIR_DQ, share_dq=True).share_dq
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D,share", [(64, False), (128, False), (128, True)],
+                         ids=["d64", "d128", "d128-shared"])
 @pytest.mark.parametrize("feature", ["none", "softcap", "segments", "lengths"])
-def test_pair_dq_cross_lowers_for_cuda(D, feature):
-  """The paired dq lowers for the GPU with every option, and its Mosaic GPU
-  module differs from the unpaired one's (the knob reaches the kernel)."""
+def test_pair_dq_cross_lowers_for_cuda(D, share, feature):
+  """The paired dq lowers for the GPU with every option, with its dq tile
+  shared by the two warpgroups or not, and its Mosaic GPU module differs
+  from the unpaired one's (the knob reaches the kernel)."""
   base = dataclasses.replace(BackwardConfig.heuristic(D, 200, 136, CAUSAL_BR),
-                             deterministic=False, block_q_dkv=64, share_dq=False)
+                             deterministic=False, block_q_dkv=64, share_dq=share)
   opts = {} if feature == "none" else CROSS_LOWER_OPTIONS[feature]
   texts = []
   for pair in (False, True):
@@ -1526,7 +1528,8 @@ def test_gpu_fused_backward(B, Tq, Tk, N, K, D, dtype, mask, shared):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [FUSED, SHARED], ids=["per_wg", "shared"])
+@pytest.mark.parametrize("config", [FUSED, SHARED, dataclasses.replace(SHARED, pair_dq=True)],
+                         ids=["per_wg", "shared", "shared_pair"])
 @pytest.mark.parametrize("name", ["lengths_causal_br", "softcap_lengths_gqa",
                                   "segments_window_lengths"])
 def test_gpu_fused_backward_options(name, config):
@@ -1571,17 +1574,28 @@ def test_gpu_overlap_matmuls(B, Tq, Tk, N, K, D, dtype, mask, kw):
                                     np.asarray(b, np.float32), err_msg=name)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask", [
+PAIR_GPU_CASES = [
+    # B, Tq, Tk, N, K, D, dtype, mask
     (1, 1024, 1024, 4, 2, 64, BF16, CAUSAL_BR),
     (2, 4224, 4224, 4, 4, 128, BF16, NO_MASK),
     (1, 799, 3, 2, 2, 64, F16, NO_MASK),
-    (1, 2000, 2000, 2, 1, 128, BF16, W(window_left=300, window_right=0))])
-def test_gpu_pair_dq(B, Tq, Tk, N, K, D, dtype, mask):
+    (1, 2000, 2000, 2, 1, 128, BF16, W(window_left=300, window_right=0)),
+    (1, 1023, 1024, 7, 1, 128, F16, CAUSAL_TL),      # GQA 7, ragged
+    (1, 113, 203, 2, 2, 128, BF16, CAUSAL_BR),       # one partial tile each way
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(  # share_dq needs head_dim a multiple of 128.
+    "B,Tq,Tk,N,K,D,dtype,mask,share",
+    [c + (False,) for c in PAIR_GPU_CASES if c[5] == 64]
+    + [c + (True,) for c in PAIR_GPU_CASES if c[5] == 128])
+def test_gpu_pair_dq(B, Tq, Tk, N, K, D, dtype, mask, share):
   """BackwardConfig.pair_dq: against the reference, and dk, dv bitwise equal
-  to the unpaired single kernel's (dq is a float32 atomic sum either way)."""
+  to the unpaired single kernel's (dq is a float32 atomic sum either way);
+  at head_dim 128 with the dq tile shared by the two warpgroups."""
   base = dataclasses.replace(BackwardConfig.heuristic(D, Tq, Tk, mask),
-                             deterministic=False, block_q_dkv=64, share_dq=False)
+                             deterministic=False, block_q_dkv=64, share_dq=share)
   config = dataclasses.replace(base, pair_dq=True)
   q, k, v, do, grads = check(B, Tq, Tk, N, K, D, dtype, mask, config=config, seed=Tq)
   plain = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=base)

@@ -79,15 +79,17 @@ class BackwardConfig:
       unit (kernels/exp2.py): 0 (default) or a multiple of 16 up to both
       tiles' widths. An A/B knob: on an H200 (ninth session) 16 and 32
       columns were 1.5-12% slower at head_dim 64 and 128; its GPU tests pass.
-    pair_dq: with ``deterministic`` False (one dq tile per warpgroup, not
-      ``share_dq``) and the overlapped order, issue dq = ds k before dk +=
-      dsT q and send dq's tile while dk's matmul runs, as FlashAttention-3's
-      backward does, instead of a separate matmul and wait after dk's
-      (``backward_dkv._dq_product``). GPU path only (interpret mode runs the
-      unpaired order, as for ``overlap_matmuls``). Its GPU tests and racecheck passed
-      on an H200 (tenth session); 3-7% faster than the unpaired order on
-      three of four head_dim 64 shapes, 1% slower on one: the heuristic takes
-      it for deterministic=False at head_dim 64.
+    pair_dq: with ``deterministic`` False and the overlapped order, issue
+      dq = ds k before dk += dsT q and send dq's tile while dk's matmul runs,
+      as FlashAttention-3's backward does, instead of a separate matmul and
+      wait after dk's (``backward_dkv._dq_product``). With ``share_dq`` the
+      warpgroups exchange their dsT tiles first and each issues its half of
+      dq's columns (FlashAttention-3's head_dim 128 layout; twenty-second
+      session). GPU path only (interpret mode runs the unpaired order, as
+      for ``overlap_matmuls``). Without ``share_dq`` its GPU tests and
+      racecheck passed on an H200 (tenth session); 3-7% faster than the
+      unpaired order on three of four head_dim 64 shapes, 1% slower on one:
+      the heuristic takes it for deterministic=False at head_dim 64.
     compute_registers, producer_registers: registers per thread (setmaxnreg)
       of each compute warpgroup and of the producer when there are two
       compute warpgroups; 128 * (2 * compute + producer) <= 65536.
@@ -164,11 +166,11 @@ class BackwardConfig:
           f"role_split=True needs compute_wgs_dkv=2, deterministic=True and "
           f"split_dkv=False; got compute_wgs_dkv={self.compute_wgs_dkv}, "
           f"deterministic={self.deterministic}, split_dkv={self.split_dkv}")
-    if self.pair_dq and (self.deterministic or self.share_dq or not self.overlap_matmuls):
+    if self.pair_dq and (self.deterministic or not self.overlap_matmuls):
       raise ValueError(
-          f"pair_dq=True needs deterministic=False, share_dq=False and "
-          f"overlap_matmuls=True; got deterministic={self.deterministic}, "
-          f"share_dq={self.share_dq}, overlap_matmuls={self.overlap_matmuls}")
+          f"pair_dq=True needs deterministic=False and overlap_matmuls=True; got "
+          f"deterministic={self.deterministic}, "
+          f"overlap_matmuls={self.overlap_matmuls}")
     if self.share_dq and (self.deterministic or self.compute_wgs_dkv != 2):
       raise ValueError(
           f"share_dq=True needs deterministic=False and compute_wgs_dkv=2 (two "

@@ -57,8 +57,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   num_kv_tiles = pl.cdiv(kv_len, cta_keys)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   overlap = config.overlap_matmuls and not staged and want_dk and want_dv
-  # config.pair_dq (validated: deterministic=False without share_dq, so
-  # dq_mode is set): dq's product is issued beside dk's.
+  # config.pair_dq (validated: deterministic=False, so dq_mode is set): dq's
+  # product is issued beside dk's, with share_dq or without.
   pair = overlap and config.pair_dq
   # config.share_dq: warpgroup w forms columns [w * half, (w + 1) * half) of
   # each query tile's dq from every warpgroup's dsT (double-buffered by step
@@ -244,35 +244,37 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
+      def shared_dq(i, rows):
+        """config.share_dq, step i (query rows ``rows``): (stage, pairs, use)
+        as ``common.accumulate_pair``'s product takes them. stage puts this
+        warpgroup's dsT in shared memory and waits for the other's; pairs
+        form this warpgroup's columns of dq from both; use sends them."""
+        parity = lax.rem(i, jnp.int32(2))
+        cols = pl.ds(wg * half, half)
+
+        def stage(ds):
+          ds_smem2.at[parity * wgs + wg][...] = ds
+          plgpu.commit_smem()
+          # Both warpgroups wait for both dsT tiles. A warpgroup rewrites its
+          # buffer of this parity two steps on, after the next step's wait,
+          # which the other warpgroup passes only once its reads here are done.
+          plgpu.barrier_arrive(ds_ready.at[parity])
+          plgpu.barrier_wait(ds_ready.at[parity])
+
+        pairs = lambda: [(ds_smem2.at[parity * wgs + u].transpose((1, 0)),
+                          k_smem2.at[u].at[:, cols]) for u in range(wgs)]
+        bb, q_rows, h = rows
+        use = lambda part: _store_dq_tile(
+            part, dq_stage2.at[wg], (bb, q_rows, h, cols),
+            dq_acc=dq_refs.get("atomic"), dq_parts=dq_refs.get("partials"),
+            slot=lax.axis_index(common.KV_TILES_AXIS))
+        return stage, pairs, use
+
       def share_dq_tile(ds, i, rows):
         """Step i's dq for query rows ``rows``: this warpgroup's columns."""
-        parity = lax.rem(i, jnp.int32(2))
-        ds_smem2.at[parity * wgs + wg][...] = ds
-        plgpu.commit_smem()
-        # Both warpgroups wait for both dsT tiles. A warpgroup rewrites its
-        # buffer of this parity two steps on, after the next step's wait,
-        # which the other warpgroup passes only once its reads here are done.
-        plgpu.barrier_arrive(ds_ready.at[parity])
-        plgpu.barrier_wait(ds_ready.at[parity])
-        for w in range(wgs):  # Static column slices: one branch per warpgroup.
-          @pl.when(wg == w)
-          def _():
-            cols = pl.ds(w * half, half)
-            part = common.matmul_smem_sum(
-                [(ds_smem2.at[parity * wgs + u].transpose((1, 0)),
-                  k_smem2.at[u].at[:, cols]) for u in range(wgs)], (bq, half))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dq_stage2.at[w][...] = part
-            plgpu.commit_smem()
-            bb, q_rows, h = rows
-            if "atomic" in dq_refs:
-              plgpu.copy_smem_to_gmem(dq_stage2.at[w],
-                                      dq_refs["atomic"].at[bb, q_rows, h, cols],
-                                      reduction_op="add")
-            else:
-              tile = lax.axis_index(common.KV_TILES_AXIS)
-              plgpu.copy_smem_to_gmem(
-                  dq_stage2.at[w], dq_refs["partials"].at[bb, tile, q_rows, h, cols])
+        stage, pairs, use = shared_dq(i, rows)
+        stage(ds)
+        use(common.matmul_smem_sum(pairs(), (bq, half)))
 
       def step(t, carry, head_base, g, masked: bool):
         dk, dv = carry
@@ -330,9 +332,15 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           make_ds = lambda: ds_of(pT, dpT, th).astype(dtype)
           if pair:
             # dq = ds k issued before dk += dsT q, and stored while dk runs.
+            if share:
+              product = shared_dq(head_base + t - cta_lo, dq_rows())
+            else:
+              product = (functools.partial(_stage_ds, ds_smem2.at[wg]),
+                         lambda: [(ds_smem2.at[wg].transpose((1, 0)), k_smem)],
+                         dq_sender())
             dv, dk, _ = common.accumulate_pair(
                 dv, pT.astype(dtype), do_smem, dk, make_ds, q_smem,
-                product=(ds_smem2.at[wg], k_smem, dq_sender()))
+                product=product)
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv
           dv, dk, dsT16 = common.accumulate_pair(
@@ -505,28 +513,35 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   return jax.jit(run)(q, k, v, do, lse2, delta, *extra)
 
 
+def _stage_ds(ds_smem, ds):
+  """Puts dsT (keys x queries, registers) in shared memory, where dq's
+  matmul reads it as the transposed left operand."""
+  ds_smem[...] = ds
+  plgpu.commit_smem()
+
+
 def _dq_product(ds, ds_smem, k_smem):
   """ds^T @ k for one (key tile, query tile) pair, float32 (queries x D).
 
   ``ds`` is dsT (keys x queries) in registers; it goes through shared memory
   to be the transposed left operand. ``_store_dq_tile`` sends the result.
   """
-  ds_smem[...] = ds
-  plgpu.commit_smem()
+  _stage_ds(ds_smem, ds)
   return common.matmul_smem(ds_smem.transpose((1, 0)), k_smem,
                             (ds.shape[1], k_smem.shape[1]))
 
 
 def _store_dq_tile(part, dq_stage, rows, *, dq_acc, dq_parts, slot):
-  """Sends one float32 dq tile ``part`` (query rows x D) by TMA through
-  ``dq_stage``: a reduce-add into ``dq_acc`` (GPU), or a plain store into
-  slice ``slot`` of ``dq_parts`` (interpret mode). The previous tile's store
-  must have read ``dq_stage`` first."""
+  """Sends one float32 dq tile ``part`` (query rows x its columns) by TMA
+  through ``dq_stage``: a reduce-add into ``dq_acc`` (GPU), or a plain store
+  into slice ``slot`` of ``dq_parts`` (interpret mode). ``rows`` is (b, query
+  rows, head) or, for part of the columns, (b, query rows, head, columns).
+  The previous tile's store must have read ``dq_stage`` first."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   dq_stage[...] = part
   plgpu.commit_smem()
   if dq_acc is not None:
     plgpu.copy_smem_to_gmem(dq_stage, dq_acc.at[rows], reduction_op="add")
   else:
-    b, q_rows, h = rows
-    plgpu.copy_smem_to_gmem(dq_stage, dq_parts.at[b, slot, q_rows, h])
+    b, *rest = rows
+    plgpu.copy_smem_to_gmem(dq_stage, dq_parts.at[(b, slot, *rest)])

@@ -229,13 +229,14 @@ def accumulate_pair(acc1: jax.Array, a1: jax.Array, b1_ref, acc2: jax.Array,
 
   ``a1`` and ``a2`` are register operands (input dtype, WGMMA layout); they
   must not change while their wgmma runs, which holds as both are values.
-  ``product=(a2_smem, b3_ref, use)``: also ``a2^T @ b3_ref`` (float32), ``a2``
-  going through ``a2_smem`` (a transposed left operand must be in shared
-  memory). Its wgmma is issued before the second, and ``use(product)`` runs
-  as soon as it is done, while the second still runs (FlashAttention-3's
-  backward issues dq = ds k before dk += ds^T q and stores dq meanwhile);
-  its accumulator exists only from then on. Returns (acc1, acc2, a2). GPU
-  path only, as ``matmul_pair_first_then``.
+  ``product=(stage, pairs, use)``: also ``sum(a @ b for a, b in pairs)``
+  (float32, shared-memory operands), after ``stage(a2)`` has put a2 where
+  those operands read it (a transposed left operand must be in shared
+  memory). Its wgmmas are issued before the second, and ``use(product)``
+  runs as soon as they are done, while the second still runs
+  (FlashAttention-3's backward issues dq = ds k before dk += ds^T q and
+  stores dq meanwhile); its accumulator exists only from then on. Returns
+  (acc1, acc2, a2). GPU path only, as ``matmul_pair_first_then``.
   """
   def body(refs):
     r1, r2, a2_ref = refs
@@ -245,15 +246,17 @@ def accumulate_pair(acc1: jax.Array, a1: jax.Array, b1_ref, acc2: jax.Array,
     if product is None:
       plgpu.wgmma(r2, a2, b2_ref)
       return
-    a2_smem, b3_ref, use = product
-    a2_smem[...] = a2
-    plgpu.commit_smem()
+    stage, pairs, use = product
+    stage(a2)
+    pairs = pairs()
+    shape = (pairs[0][0].shape[0], pairs[0][1].shape[1])
 
     def scope(r3):
-      plgpu.wgmma(r3, a2_smem.transpose((1, 0)), b3_ref)
+      for a_ref, b_ref in pairs:
+        plgpu.wgmma(r3, a_ref, b_ref)
       plgpu.wgmma(r2, a2, b2_ref)
       use(plgpu.wgmma_accumulator_load(r3, wait_n=1))  # The second still runs.
-    pl.run_scoped(scope, plgpu.ACC((a2.shape[1], b3_ref.shape[1]), jnp.float32))
+    pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
   a2_like = plgpu.layout_cast(jnp.zeros(a1.shape[:1] + (b2_ref.shape[0],), a1.dtype),
                               plgpu.Layout.WGMMA)
