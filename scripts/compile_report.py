@@ -21,8 +21,9 @@ disassembled with nvdisasm (``$NVDISASM``, else on the PATH; PyPI's
 ``nvidia-cuda-nvdisasm`` carries one), each module's SASS written beside its
 log, with the same counts.
 
-A case is ``what:D:T:causal`` with ``what`` fwd or bwd (the backward's two
-kernels, its forward beside them).
+A case is ``what:D:T:causal`` with ``what`` fwd, bwd (the backward's two
+kernels, its forward beside them) or bwdnd (the single-kernel backward of
+``BackwardConfig.heuristic(..., deterministic=False)``, dq by reduce-add).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ _PTXAS_KEEP = re.compile(r"registers|spill|Performance Loss|C75\d\d|warning|stac
 def parse_case(text: str) -> tuple[str, int, int, bool]:
   """'fwd:128:4096:1' -> ('fwd', 128, 4096, True); ValueError naming the case."""
   parts = text.split(":")
-  if len(parts) != 4 or parts[0] not in ("fwd", "bwd") or parts[3] not in ("0", "1"):
-    raise ValueError(f"case {text!r} must be what:D:T:causal, what fwd or bwd, causal 0 or 1")
+  if len(parts) != 4 or parts[0] not in ("fwd", "bwd", "bwdnd") or parts[3] not in ("0", "1"):
+    raise ValueError(f"case {text!r} must be what:D:T:causal, what fwd, bwd or bwdnd, "
+                     f"causal 0 or 1")
   what, d, t, causal = parts
   return what, int(d), int(t), causal == "1"
 
@@ -113,7 +115,7 @@ def run_case(case: str) -> None:
   """In this process: compile and run the case's kernels once (the dumps print)."""
   import jax
   import jax.numpy as jnp
-  from flash3.kernels.backward import attention_backward
+  from flash3.kernels.backward import BackwardConfig, attention_backward
   from flash3.kernels.forward import attention_forward
   from flash3.visibility import MaskSpec
 
@@ -124,9 +126,11 @@ def run_case(case: str) -> None:
   mask = MaskSpec(causal=causal, alignment="bottom_right")
   scale = D ** -0.5
   o, lse = jax.jit(lambda q, k, v: attention_forward(q, k, v, scale=scale, mask=mask))(q, k, v)
-  if what == "bwd":
-    grads = jax.jit(lambda *a: attention_backward(*a, scale=scale, mask=mask))(
-        q, k, v, o, lse, do)
+  if what in ("bwd", "bwdnd"):
+    config = (BackwardConfig.heuristic(D, T, T, mask, deterministic=False)
+              if what == "bwdnd" else None)
+    grads = jax.jit(lambda *a: attention_backward(*a, scale=scale, mask=mask,
+                                                  config=config))(q, k, v, o, lse, do)
     jax.block_until_ready(grads)
   jax.block_until_ready(o)
 

@@ -14,7 +14,8 @@ and 256, with lengths, segments and a soft cap.
 
 ``--only role_split`` runs that group alone (a kernel new since the last
 full run, checked in a short device call); ``--only lengths`` the loads of
-the lengths' end tiles (also run last in a full run).
+the lengths' end tiles (also run last in a full run); ``--only shared_pair``
+the single-kernel backward with a shared dq tile paired with dk's matmul.
 """
 import argparse
 import sys
@@ -81,7 +82,35 @@ def lengths_cases():
     raise SystemExit("lengths backward computed nothing or non-finite values")
 
 
-GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases}
+def shared_pair_cases():
+  """The single-kernel backward at D = 128 with the dq tile shared by the two
+  warpgroups and its matmul issued beside dk's (share_dq with pair_dq): the
+  dsT exchange through a double buffer per step parity, and dq's half tiles
+  sent by reduce-add while dk's matmul runs. Causal bottom-right, 300 queries
+  (5 tiles, the last ragged) over 260 keys, GQA 2: the two warpgroups' keys
+  see different query tiles, so one takes part in the other's dq with a zero
+  dsT."""
+  keys = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(keys[0], (1, 300, 2, 128), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (1, 260, 1, 128), jnp.bfloat16) for kk in keys[1:3])
+  do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+  mask = MaskSpec(causal=True, alignment="bottom_right")
+  from flash3.kernels.forward import attention_forward
+  o, lse = attention_forward(q, k, v, scale=0.09, mask=mask)
+  grads = attention_backward(
+      q, k, v, o, lse, do, scale=0.09, mask=mask,
+      config=BackwardConfig(block_q_dkv=64, deterministic=False, share_dq=True,
+                            pair_dq=True))
+  finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+  nonzero = [int(jnp.count_nonzero(g)) for g in grads]
+  print(f"single-kernel backward, shared dq paired with dk: finite {finite}, "
+        f"nonzero (dq, dk, dv) {nonzero}")
+  if not (finite and min(nonzero) > 0):
+    raise SystemExit("shared paired dq computed nothing or non-finite values")
+
+
+GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
+          "shared_pair": shared_pair_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -252,4 +281,5 @@ o, lse = attention_forward(q7, k7, v7, scale=0.09, mask=MaskSpec(),
 print(f"192-key tiles at D=128: finite {bool(jnp.isfinite(o.astype(jnp.float32)).all())}")
 
 role_split_cases()
+shared_pair_cases()
 lengths_cases()

@@ -116,7 +116,8 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
     cands = [base]
     for kw in (dict(), dict(num_stages=3), dict(fuse_matmuls=True),
                dict(compute_wgs_dkv=1), dict(num_stages=1), dict(share_dq=True),
-               dict(share_dq=True, num_stages=3), dict(share_dq=True, fuse_matmuls=True)):
+               dict(share_dq=True, num_stages=3), dict(share_dq=True, fuse_matmuls=True),
+               dict(share_dq=True, pair_dq=True)):
       cands.append(dataclasses.replace(fused, **kw))
     return _fitting(cands, D)
   cands = [base, dataclasses.replace(base, fuse_matmuls=True)]

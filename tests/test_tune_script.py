@@ -330,6 +330,7 @@ def test_compile_report_says_when_a_dump_has_no_sass():
 def test_compile_report_rejects_a_malformed_case():
   report = _script_module("compile_report")
   assert report.parse_case("bwd:128:4096:1") == ("bwd", 128, 4096, True)
+  assert report.parse_case("bwdnd:128:4096:0") == ("bwdnd", 128, 4096, False)
   for bad in ("fwd:128:4096", "dq:64:512:0", "fwd:64:512:2"):
     with pytest.raises(ValueError, match="what:D:T:causal"):
       report.parse_case(bad)
