@@ -270,7 +270,8 @@ def test_gpu_persistent_packed_rows_match_reference_and_grid_kernel(D, mask):
 
 @pytest.mark.parametrize("D, mask, kv_len, want", [
     (64, NO_MASK, 512, True), (128, NO_MASK, 2048, True), (64, NO_MASK, 4096, True),
-    (128, NO_MASK, 4096, False), (256, NO_MASK, 512, False),
+    (128, NO_MASK, 4096, False), (256, NO_MASK, 512, True), (256, NO_MASK, 1024, True),
+    (256, NO_MASK, 2048, False),
     (64, CAUSAL_BR, 2048, True), (128, CAUSAL_TL, 512, True),
     (128, CAUSAL_BR, 1024, False), (64, CAUSAL_BR, 4096, True),
     (64, CAUSAL_BR, 16384, True), (256, CAUSAL_BR, 1024, False),
@@ -291,7 +292,8 @@ def test_gpu_persistent_packed_rows_match_reference_and_grid_kernel(D, mask):
 def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
     D, mask, kv_len, want):
   # docs/benchmarks/h200/2026-12-01/tune.md: short non-causal sequences, and
-  # causal ones up to 512 keys; -s9/tune.md: causal D=64 at any length.
+  # causal ones up to 512 keys; -s9/tune.md: causal D=64 at any length;
+  # 2026-12-04-s23: D=256 up to 1024 keys without a mask.
   for interpret in (False, True):
     config = forward_config(D, jnp.bfloat16, mask, kv_len, kv_len, interpret=interpret)
     assert config.persistent is want

@@ -308,7 +308,11 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int,
     # D=64 ran faster persistent than in the grid: +21% at T=1024, +7% at
     # 4096, +2-7% at 16384.
     return head_dim <= 64 or (head_dim <= 128 and kv_len <= 512)
-  return (head_dim <= 128 and kv_len <= 2048) or (head_dim <= 64 and kv_len <= 4096)
+  # Twenty-third session (docs/benchmarks/h200/2026-12-04-s23/): D=256 ran
+  # 3-4% faster persistent at T=512 and 0.5-1.5% at 1024, 0.6-1.6% slower at
+  # 2048 (two sweeps each).
+  return (kv_len <= 1024 or (head_dim <= 128 and kv_len <= 2048)
+          or (head_dim <= 64 and kv_len <= 4096))
 
 
 def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
