@@ -85,7 +85,11 @@ class BackwardConfig:
       wait after dk's (``backward_dkv._dq_product``). With ``share_dq`` the
       warpgroups exchange their dsT tiles first and each issues its half of
       dq's columns (FlashAttention-3's head_dim 128 layout; twenty-second
-      session). GPU path only (interpret mode runs the unpaired order, as
+      session): its GPU tests and racecheck passed on an H200, and at head_dim
+      128 it is the fastest single-kernel form (backward 0.78 of cuDNN against
+      0.74 for ``share_dq`` alone and 0.955 for the two deterministic kernels,
+      bfloat16, T 4096 / 16384; docs/benchmarks/h200/2026-12-04-s23/), so no
+      heuristic takes it. GPU path only (interpret mode runs the unpaired order, as
       for ``overlap_matmuls``). Without ``share_dq`` its GPU tests and
       racecheck passed on an H200 (tenth session); 3-7% faster than the
       unpaired order on three of four head_dim 64 shapes, 1% slower on one:
@@ -241,8 +245,8 @@ class BackwardConfig:
     0.61-0.73 of cuDNN, the two kernels at 0.85-0.98, and in its benchmark
     the ``share_dq`` form at 0.70-0.79 against 0.93-0.95 (the sixth
     session's 1-6% win of ``share_dq`` did not survive the later gains of
-    the two-kernel path). Not
-    below 64: the backward runs D as given (the forward pads it) and the
+    the two-kernel path; ``share_dq`` with ``pair_dq``, twenty-second
+    session: 0.78 against 0.955). Not below 64: the backward runs D as given (the forward pads it) and the
     single kernel's dq tile does not lower for D < 64. A short window (at
     most 2048 keys per 128 queries) takes 64-key tiles in the dq kernel,
     less work outside the window: 12% faster for a causal window of 1024 at
