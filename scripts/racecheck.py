@@ -15,7 +15,8 @@ and 256, with lengths, segments and a soft cap.
 ``--only role_split`` runs that group alone (a kernel new since the last
 full run, checked in a short device call); ``--only lengths`` the loads of
 the lengths' end tiles (also run last in a full run); ``--only shared_pair``
-the single-kernel backward with a shared dq tile paired with dk's matmul.
+the single-kernel backward with a shared dq tile paired with dk's matmul;
+``--only fused`` the forward with P @ V and the next Q K^T issued together.
 """
 import argparse
 import sys
@@ -109,8 +110,32 @@ def shared_pair_cases():
     raise SystemExit("shared paired dq computed nothing or non-finite values")
 
 
+def fused_cases():
+  """The forward with each tile's P @ V and the next tile's Q K^T issued back
+  to back (ForwardConfig.fuse_pv_qk): grid and persistent (2 CTAs), causal
+  bottom-right with GQA 2 over a 2-slot ring that wraps (200 keys, 64-key
+  tiles), and D = 128 without a mask (one 128-key tile per CTA: Q K^T, then
+  P @ V alone)."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  keys = jax.random.split(jax.random.key(4), 3)
+  for d, bk, mask in ((64, 64, MaskSpec(causal=True, alignment="bottom_right")),
+                      (128, 128, MaskSpec())):
+    q = jax.random.normal(keys[0], (1, 192, 2, d), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (1, 200 if d == 64 else 100, 1, d), jnp.bfloat16)
+            for kk in keys[1:])
+    for persistent in (False, True):
+      config = ForwardConfig(block_kv=bk, fuse_pv_qk=True, persistent=persistent,
+                             num_sms=2)
+      o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
+      ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+      print(f"fused P @ V and Q K^T, D={d}, persistent={persistent}: finite and nonzero {ok}")
+      if not ok:
+        raise SystemExit(f"fused case D={d} computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
-          "shared_pair": shared_pair_cases}
+          "shared_pair": shared_pair_cases, "fused": fused_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -283,3 +308,4 @@ print(f"192-key tiles at D=128: finite {bool(jnp.isfinite(o.astype(jnp.float32))
 role_split_cases()
 shared_pair_cases()
 lengths_cases()
+fused_cases()

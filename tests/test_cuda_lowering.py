@@ -63,6 +63,9 @@ FORWARD_CASES = [
     ("none", 128, (), ForwardConfig(block_kv=192)),
     ("causal", 128, (), ForwardConfig(pingpong="handoff")),
     ("window", 128, (), ForwardConfig(lazy_rescale=False, scale_first=True)),
+    ("none", 128, (), ForwardConfig(fuse_pv_qk=True)),
+    ("causal", 128, ("lengths",), ForwardConfig(fuse_pv_qk=True, persistent=True)),
+    ("window", 64, ("segments",), ForwardConfig(fuse_pv_qk=True, block_kv=256)),
 ]
 
 

@@ -176,6 +176,39 @@ def accumulate_register_lhs(acc: jax.Array, a: jax.Array, b_ref, *,
   return acc + matmul_smem(staging, b_ref, acc.shape, while_running)
 
 
+def accumulate_then_matmul(acc: jax.Array, a: jax.Array, b_ref, a2_ref, b2_ref,
+                           shape2: tuple[int, int], *, staging=None,
+                           while_running: Callable[[], None] | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
+  """``(acc + a @ b_ref, a2_ref @ b2_ref)``: the two wgmmas issued back to
+  back, then one wait for both.
+
+  ``a`` is a register operand (input dtype, WGMMA layout), ``a2_ref`` and
+  ``b_ref`` / ``b2_ref`` shared-memory refs; the second product goes into a
+  fresh float32 (``shape2``) accumulator. Nothing runs between the issues and
+  the wait but ``while_running``, so ``a`` cannot change while its wgmma
+  reads it. ``staging``: as in ``accumulate_register_lhs`` (interpret mode:
+  one matmul after the other).
+  """
+  if staging is not None:
+    acc = accumulate_register_lhs(acc, a, b_ref, staging=staging)
+    return acc, matmul_smem(a2_ref, b2_ref, shape2, while_running)
+
+  def body(refs):
+    acc_ref, out_ref = refs
+    plgpu.wgmma(acc_ref, a, b_ref)
+
+    def scope(s_ref):
+      plgpu.wgmma(s_ref, a2_ref, b2_ref)
+      if while_running is not None:
+        while_running()
+      out_ref[...] = s_ref[...]  # Waits for both wgmmas.
+    pl.run_scoped(scope, plgpu.ACC(shape2, jnp.float32))
+
+  out_like = plgpu.layout_cast(jnp.zeros(shape2, jnp.float32), plgpu.Layout.WGMMA)
+  return pl.run_state(body)((plgpu.ACC.init(acc), out_like))
+
+
 def matmul_smem_sum(pairs, shape: tuple[int, int]) -> jax.Array:
   """``sum(a @ b for a, b in pairs)`` (all in shared memory), float32.
 

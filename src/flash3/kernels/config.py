@@ -170,6 +170,14 @@ class ForwardConfig:
       exponentiate ``(s - m) * scale * log2(e)``. Both give exp2(0) = 1 at a
       row's max (E03). The first puts the multiplies before the max, the
       second after it, beside the exponentials.
+    fuse_pv_qk: issue each tile's P @ V and the next tile's Q K^T back to
+      back and wait for both once, so a warpgroup's two matmuls of a
+      ping-pong turn leave no gap on the tensor cores between them (P stays
+      in registers: nothing writes it while its wgmma runs, as the softmax
+      of the next tile starts only after the wait). The last tile of a work
+      item issues P @ V alone. Needs overlap_softmax and half_edge_tiles
+      off (a half tile's narrower scores would change the carried tile's
+      shape).
   """
 
   block_q: int = 64
@@ -187,6 +195,7 @@ class ForwardConfig:
   half_edge_tiles: bool = False
   lazy_rescale: bool = True
   scale_first: bool = False
+  fuse_pv_qk: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -211,6 +220,12 @@ class ForwardConfig:
     check_bool("half_edge_tiles", self.half_edge_tiles)
     check_bool("lazy_rescale", self.lazy_rescale)
     check_bool("scale_first", self.scale_first)
+    check_bool("fuse_pv_qk", self.fuse_pv_qk)
+    if self.fuse_pv_qk and (self.overlap_softmax or self.half_edge_tiles):
+      raise ValueError(
+          f"fuse_pv_qk=True needs overlap_softmax=False and half_edge_tiles="
+          f"False; got overlap_softmax={self.overlap_softmax}, half_edge_tiles="
+          f"{self.half_edge_tiles}")
     if self.half_edge_tiles and not can_halve_tiles(self.block_kv, self.overlap_softmax):
       raise ValueError(
           f"half_edge_tiles=True needs block_kv 128 or 256 and overlap_softmax="

@@ -877,6 +877,70 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       release["v"].free(slot)
       return acc, m, l
 
+    # config.fuse_pv_qk: the scores of tile t are carried into step t, which
+    # runs their softmax, then issues P_t @ V_t and Q K_{t+1}^T back to back
+    # (one turn on the tensor cores with no gap between the two) and waits
+    # once. The first tile's Q K^T is issued alone before the steps, the last
+    # tile's P @ V alone in its step. Per tile one signal and one wait for the
+    # turn, as in compute_step.
+    def zero_scores():
+      return plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                               plgpu.Layout.WGMMA)
+
+    def fused_first(t, carry):
+      acc, m, l, _ = carry
+      slot = slot_of(t)
+      s = jax.named_scope("qk")(common.matmul_smem)(
+          q_smem, smem["k"].at[slot].transpose((1, 0)), (block_q, block_kv),
+          while_running=jax.named_scope("signal")(turns.signal))
+      release["k"].free(slot)
+      if early_next_q:
+        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
+      return acc, m, l, s
+
+    def fused_step(t, carry, *, masked: bool):
+      acc, m, l, s = carry
+      slot, nxt = slot_of(t), t + 1
+      has_next = nxt < w_hi
+      next_slot = slot_of(nxt)
+      p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked)
+      acc = rescale(acc, alpha)
+      l = l * alpha
+
+      @jax.named_scope("turn")
+      def release_softmax():
+        plgpu.barrier_wait(smem["v_loaded"].at[slot])
+        jax.named_scope("k_wait")(pl.when(has_next)(
+            lambda: plgpu.barrier_wait(smem["k_loaded"].at[next_slot])))
+        turns.wait()
+
+      p16 = p.astype(dtype)
+      if D <= 128:  # As in compute_step.
+        l = l + p.sum(axis=1)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        release_softmax()
+      else:
+        release_softmax()
+        l = l + p.sum(axis=1)
+      v_tile = smem["v"].at[slot]
+
+      def pv_and_qk():
+        return jax.named_scope("pv_qk")(common.accumulate_then_matmul)(
+            acc, p16, v_tile, q_smem, smem["k"].at[next_slot].transpose((1, 0)),
+            (block_q, block_kv), staging=p_stage,
+            while_running=jax.named_scope("signal")(turns.signal))
+
+      def pv_only():
+        return (jax.named_scope("pv")(common.accumulate_register_lhs)(
+            acc, p16, v_tile, staging=p_stage), zero_scores())
+
+      acc, s = lax.cond(has_next, pv_and_qk, pv_only)
+      release["v"].free(slot)
+      pl.when(has_next)(functools.partial(release["k"].free, next_slot))
+      if early_next_q:
+        pl.when(next_q[0] & (nxt == w_hi - 1))(next_q[1])
+      return acc, m_new, l, s
+
     @jax.named_scope("skip")
     def skip_step(t, carry):
       # Keep every barrier's phases in step with the other warpgroup and the
@@ -913,6 +977,13 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(a1, a2, functools.partial(overlap_step, masked=False), carry)
       carry = lax.fori_loop(a2, w_hi, functools.partial(overlap_step, masked=True), carry)
       carry = lax.fori_loop(jnp.maximum(w_hi - 1, w_lo), w_hi, last_pv, carry)
+    elif config.fuse_pv_qk:
+      carry = lax.fori_loop(w_lo, jnp.minimum(w_lo + 1, w_hi), fused_first,
+                            (*carry, zero_scores()))
+      carry = lax.fori_loop(w_lo, m1, functools.partial(fused_step, masked=True), carry)
+      carry = lax.fori_loop(m1, m2, functools.partial(fused_step, masked=False), carry)
+      carry = lax.fori_loop(m2, w_hi, functools.partial(fused_step, masked=True), carry)
+      carry = carry[:3]
     else:
       a, b = w_lo, w_hi
       if config.half_edge_tiles:
