@@ -114,19 +114,21 @@ def fused_cases():
   """The forward with each tile's P @ V and the next tile's Q K^T issued back
   to back (ForwardConfig.fuse_pv_qk): grid and persistent (2 CTAs), causal
   bottom-right with GQA 2 over a 2-slot ring that wraps (200 keys, 64-key
-  tiles), and D = 128 without a mask (one 128-key tile per CTA: Q K^T, then
-  P @ V alone)."""
+  tiles), the same at D = 256 (its default since the twenty-fourth session,
+  with the hand-off ping-pong), and D = 128 without a mask (one 128-key tile
+  per CTA: Q K^T, then P @ V alone)."""
   from flash3.kernels.config import ForwardConfig
   from flash3.kernels.forward import attention_forward
   keys = jax.random.split(jax.random.key(4), 3)
   for d, bk, mask in ((64, 64, MaskSpec(causal=True, alignment="bottom_right")),
-                      (128, 128, MaskSpec())):
+                      (128, 128, MaskSpec()),
+                      (256, 64, MaskSpec(causal=True, alignment="bottom_right"))):
     q = jax.random.normal(keys[0], (1, 192, 2, d), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (1, 200 if d == 64 else 100, 1, d), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (1, 100 if d == 128 else 200, 1, d), jnp.bfloat16)
             for kk in keys[1:])
     for persistent in (False, True):
       config = ForwardConfig(block_kv=bk, fuse_pv_qk=True, persistent=persistent,
-                             num_sms=2)
+                             num_sms=2, pingpong="handoff" if d == 256 else "meeting")
       o, lse = attention_forward(q, k, v, scale=0.125, mask=mask, config=config)
       ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
       print(f"fused P @ V and Q K^T, D={d}, persistent={persistent}: finite and nonzero {ok}")

@@ -109,6 +109,7 @@ GPU_CASES = [
     (1, 1023, 1024, 8, 2, 128, jnp.float16, CAUSAL_BR, 128, 2, False),
     (3, 777, 2049, 4, 1, 64, jnp.bfloat16, CAUSAL_TL, 256, 2, True),
     (2, 1000, 1100, 8, 8, 256, jnp.bfloat16, CAUSAL_BR, 64, 2, False),
+    (8, 1024, 1024, 8, 4, 256, jnp.float16, NO_MASK, 64, 2, True),
     (1, 4096, 4096, 16, 16, 128, jnp.bfloat16, W(causal=True, window_left=1024), 128, 2,
      True),
     (1, 300, 5, 4, 4, 64, jnp.float16, NO_MASK, 128, 2, True),

@@ -177,7 +177,9 @@ class ForwardConfig:
       of the next tile starts only after the wait). The last tile of a work
       item issues P @ V alone. Needs overlap_softmax and half_edge_tiles
       off (a half tile's narrower scores would change the carried tile's
-      shape).
+      shape). ``forward_config`` turns it on above D=128 (H200, twenty-fourth
+      session: +0.6% to +3.0% at D=256; 7-26% slower at D=64 and 128, whose
+      softmax bounds a step).
   """
 
   block_q: int = 64
@@ -413,11 +415,17 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # scaled first. (The class defaults are D=256's form.)
   lazy_rescale = head_dim > 64
   scale_first = head_dim <= 128
+  # P @ V and the next Q K^T back to back (twenty-fourth session, docs/
+  # benchmarks/h200/2026-12-04-s24/): above D=128 (64-key tiles, whose
+  # softmax is short beside the matmuls) +0.6% to +3.0% on all six shapes
+  # (T 1024 / 4096 / 16384, causal or not); at D=128 7-16% slower and at
+  # D=64 16-26% slower (their softmax, not the tensor cores, bounds a step).
+  fuse_pv_qk = head_dim > 128 and not half_edge_tiles
   config = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages,
                          reverse_q_tiles=bool(mask.causal), persistent=persistent,
                          num_sms=num_sms, pingpong=pingpong,
                          half_edge_tiles=half_edge_tiles, lazy_rescale=lazy_rescale,
-                         scale_first=scale_first)
+                         scale_first=scale_first, fuse_pv_qk=fuse_pv_qk)
   if not persistent and head_dim <= 64 and (block_kv == 256 or packed):
     # The widest score tile (64 x 256) gains from 8 more registers per compute
     # thread (setmaxnreg 240, the producer 24): D=64 non-causal T >= 8192
