@@ -62,6 +62,12 @@ CASES = [
      _cfg(block_kv=64, num_stages=3), True),
     ("d128", 1, 64, 300, 1, 1, 128, jnp.bfloat16, CAUSAL_BR,
      _cfg(block_kv=128, num_stages=2), False),
+    # The persistent kernel at D > 64 issues the next item's q in the item's
+    # last step: the overlapped steps never did, and the kernel hung on the
+    # next item's q (H200, twenty-fifth session; here in interpret mode too).
+    ("d128-persistent-window", 1, 512, 512, 2, 2, 128, jnp.bfloat16,
+     W(causal=True, window_left=128), _cfg(block_kv=64, persistent=True, num_sms=2),
+     True),
     # Both warpgroups own two tiles, two ring slots.
     ("two-tiles-each", 1, 128, 128, 1, 1, 64, jnp.bfloat16, NO_MASK,
      _cfg(block_kv=64, num_stages=2), True),

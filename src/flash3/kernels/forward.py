@@ -817,12 +817,20 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       p_tile[...] = p16
       plgpu.commit_smem()
 
+    def issue_next_q_after(t):
+      # As in compute_step: tile t's Q K^T has completed, so in the item's
+      # last tile the next q may land. (Without this the persistent kernel
+      # never loaded the next item's q at D > 64 and hung.)
+      if early_next_q:
+        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
+
     def first_step(t, carry):
       acc, m, l = carry  # acc is still 0: nothing to rescale.
       slot = slot_of(t)
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
                              (block_q, block_kv), while_running=turns.signal)
       release["k"].free(slot)
+      issue_next_q_after(t)
       p16, m, _, l = softmax_to_p(s, t, m, l, masked=True)
       turns.wait()
       store_p(p16)
@@ -838,6 +846,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
       def after_scores(s):
         release["k"].free(slot)
+        issue_next_q_after(t)
         out = softmax_to_p(s, t, m, l, masked=masked)
         turns.wait()  # Our turn on the tensor cores again.
         return out
