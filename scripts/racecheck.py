@@ -16,7 +16,8 @@ and 256, with lengths, segments and a soft cap.
 full run, checked in a short device call); ``--only lengths`` the loads of
 the lengths' end tiles (also run last in a full run); ``--only shared_pair``
 the single-kernel backward with a shared dq tile paired with dk's matmul;
-``--only fused`` the forward with P @ V and the next Q K^T issued together.
+``--only fused`` the forward with P @ V and the next Q K^T issued together;
+``--only overlap`` the overlapped softmax in the persistent kernel at D = 128.
 """
 import argparse
 import sys
@@ -136,8 +137,29 @@ def fused_cases():
         raise SystemExit(f"fused case D={d} computed nothing or non-finite values")
 
 
+def overlap_cases():
+  """The overlapped softmax (ForwardConfig.overlap_softmax) in the persistent
+  kernel at D = 128, where the next item's q is issued in each item's last
+  step (it never was, and the kernel hung, until the twenty-fifth session): a
+  causal window over 384 keys, 2 CTAs with 3 items each."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  q, k = (jax.random.normal(jax.random.key(i), (1, 384, 2, 128), jnp.bfloat16)
+          for i in (21, 22))
+  mask = MaskSpec(causal=True, window_left=100, alignment="bottom_right")
+  o, _ = attention_forward(
+      q, k, k, scale=0.09, mask=mask,
+      config=ForwardConfig(block_kv=64, overlap_softmax=True, persistent=True,
+                           num_sms=2))
+  ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+  print(f"overlapped softmax, persistent D=128 window: finite and nonzero {ok}")
+  if not ok:
+    raise SystemExit("overlap case computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
-          "shared_pair": shared_pair_cases, "fused": fused_cases}
+          "shared_pair": shared_pair_cases, "fused": fused_cases,
+          "overlap": overlap_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -311,3 +333,4 @@ role_split_cases()
 shared_pair_cases()
 lengths_cases()
 fused_cases()
+overlap_cases()

@@ -25,7 +25,7 @@ import flash3
 from flash3.kernels import common
 from flash3.kernels.config import (PINGPONG_MODES, SMEM_LIMIT_BYTES, ForwardConfig,
                                    forward_config, forward_smem_bytes,
-                                   persistent_separate_o)
+                                   persistent_separate_o, window_key_span)
 from flash3.kernels.forward import attention_forward, default_config, unsupported_reason
 from flash3.visibility import MaskSpec, dense_mask
 
@@ -221,12 +221,28 @@ def test_heuristic_registers(d_pad, mask, kv_len, wide):
 
 
 @pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
-@pytest.mark.parametrize("d_pad,mode", [(64, "meeting"), (128, "meeting"),
-                                        (192, "handoff"), (256, "handoff")])
+@pytest.mark.parametrize("d_pad,mode", [(128, "meeting"), (192, "handoff"),
+                                        (256, "handoff")])
 def test_heuristic_pingpong(d_pad, mode, mask):
-  # The ninth session's H200 A/B: the meeting up to D=128, the hand-off at 256.
+  # The ninth session's H200 A/B: the meeting at D=128, the hand-off above.
   for kv_len in (1024, 16384):
     assert forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len).pingpong == mode
+
+
+def test_heuristic_pingpong_d64_follows_the_kernel():
+  # The twenty-fifth session's H200 A/B at D=64: the hand-off in the
+  # persistent kernel, the meeting in the grid kernel and with a window.
+  for mask in (NO_MASK, CAUSAL_BR, MaskSpec(window_left=512),
+               MaskSpec(causal=True, window_left=512)):
+    for kv_len in (512, 1024, 4096, 16384, 65536):
+      c = forward_config(64, jnp.bfloat16, mask, kv_len, kv_len)
+      windowed = window_key_span(mask, kv_len) is not None  # One that binds.
+      want = "handoff" if c.persistent and not windowed else "meeting"
+      assert c.pingpong == want, (mask, kv_len, c)
+  # Both kernels occur: causal is persistent, long non-causal keys are not.
+  assert forward_config(64, jnp.bfloat16, CAUSAL_BR, 16384, 16384).pingpong == "handoff"
+  assert forward_config(64, jnp.bfloat16, NO_MASK, 16384, 16384).pingpong == "meeting"
+  assert forward_config(64, jnp.bfloat16, NO_MASK, 1024, 1024).pingpong == "handoff"
 
 
 @pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR, MaskSpec(window_left=512)],

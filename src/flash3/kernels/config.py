@@ -347,7 +347,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   ``_prefers_persistent``; and (sixth session,
   docs/benchmarks/h200/2026-12-01-s6/tune.md) 240 registers per compute
   thread for the widest score tiles; (ninth session) the "meeting"
-  ping-pong up to D=128, the "handoff" at D=256.
+  ping-pong up to D=128, the "handoff" at D=256 (and, since the
+  twenty-fifth session, in D=64's persistent kernel without a window).
 
   Args:
     head_dim: D after any padding the kernel does (a multiple of 64).
@@ -398,7 +399,14 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # T=16384 lost 2%), even at D=128; the hand-off
   # kept D=256 0.5-1.4% faster (ninth session, docs/benchmarks/h200/
   # 2026-12-01-s9/tune.md).
-  pingpong = "handoff" if head_dim > 128 else "meeting"
+  # Twenty-fifth session (docs/benchmarks/h200/2026-12-04-s25/, bfloat16,
+  # T 512-16384, two runs): D=64's persistent kernel now gains from the
+  # hand-off, +1.7-2.7% without a mask up to T=4096 and +1.3-2.0% causal from
+  # T=2048 (0 to -0.3% below); its grid kernel (non-causal, long keys) stays
+  # with the meeting (-0.6% with the hand-off, twice). Windows were not
+  # measured and keep the meeting.
+  handoff = head_dim > 128 or (head_dim <= 64 and persistent and not windowed)
+  pingpong = "handoff" if handoff else "meeting"
   # A window's edges and a causal diagonal cut a warpgroup's first or last
   # key tile: computing only the half it sees ran a causal window of 1024 at
   # T=16384 6% faster at D=64 and D=128 (eleventh session); plain causal
