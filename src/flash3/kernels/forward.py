@@ -15,9 +15,12 @@ than 2**8, and a warp none of whose rows moved skips the accumulator's rescale.
 Synchronisation (kernels/sync.py): at each ping-pong turn point (after a
 warpgroup issues its matmuls, and after its softmax before the next ones)
 the two warpgroups meet at one barrier (``ForwardConfig.pingpong="meeting"``,
-the default up to D=128) or hand the turn over one way, as FlashAttention-3's
-CUTLASS kernel does ("handoff", D=256; H200 A/B: docs/benchmarks/h200/
-2026-12-01-s9/tune.md); consumers release ring slots to the producer. On the
+the default at D=128) or hand the turn over one way, as FlashAttention-3's
+CUTLASS kernel does ("handoff", D=256 and D=64's persistent kernel; H200 A/B:
+docs/benchmarks/h200/2026-12-01-s9/tune.md, 2026-12-04-s25/); consumers
+release ring slots to the producer. Above D=128 each step issues its tile's
+P @ V and the next tile's Q K^T back to back and waits once
+(``ForwardConfig.fuse_pv_qk``; docs/benchmarks/h200/2026-12-04-s24/). On the
 GPU both run on hardware named barriers (``bar.arrive`` / ``bar.sync``,
 ``ForwardConfig.named_barriers``, the default), in interpret mode on
 mbarriers with the same arrivals and waits (H200 A/B of the two, seventh
