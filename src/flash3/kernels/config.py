@@ -401,10 +401,10 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   # 2026-12-01-s9/tune.md).
   # Twenty-fifth session (docs/benchmarks/h200/2026-12-04-s25/, bfloat16,
   # T 512-16384, two runs): D=64's persistent kernel now gains from the
-  # hand-off, +1.7-2.7% without a mask up to T=4096 and +1.3-2.0% causal from
-  # T=2048 (0 to -0.3% below); its grid kernel (non-causal, long keys) stays
-  # with the meeting (-0.6% with the hand-off, twice). Windows were not
-  # measured and keep the meeting.
+  # hand-off, +1.6-2.6% without a mask up to T=4096 and +1.2-2.1% causal from
+  # T=2048 (within 0.4% below); its grid kernel (non-causal, long keys) stays
+  # with the meeting (0.6-0.7% slower with the hand-off, twice). Windows were
+  # not measured and keep the meeting.
   handoff = head_dim > 128 or (head_dim <= 64 and persistent and not windowed)
   pingpong = "handoff" if handoff else "meeting"
   # A window's edges and a causal diagonal cut a warpgroup's first or last

@@ -748,6 +748,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return common.scale_rows(acc, alpha,
                                skip_ones=config.lazy_rescale and not staging)
 
+    def issue_next_q_after(t):
+      # Tile t's Q K^T has completed (its scores were read): in the item's
+      # last tile the next item's q may land during this tile's softmax and
+      # P @ V, not only after them. Every step kind calls this (the
+      # overlapped steps once did not, and the persistent kernel hung).
+      if early_next_q:
+        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
+
     def compute_step(t, carry, *, masked: bool, half: int | None = None):
       # K of tile t was waited for already: by the previous compute step,
       # while its P @ V ran, or before the first compute step. ``half`` 0 / 1
@@ -763,11 +771,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           q_smem, k_tile.transpose((1, 0)), (block_q, width),
           while_running=jax.named_scope("signal")(turns.signal))
       release["k"].free(slot)
-      if early_next_q:
-        # The item's last Q K^T has completed (its scores were read): the
-        # next item's q may land during this tile's softmax and P @ V, not
-        # only after them.
-        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
+      issue_next_q_after(t)
       p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
                                                             half=half)
       acc = rescale(acc, alpha)
@@ -819,13 +823,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     def store_p(p16):
       p_tile[...] = p16
       plgpu.commit_smem()
-
-    def issue_next_q_after(t):
-      # As in compute_step: tile t's Q K^T has completed, so in the item's
-      # last tile the next q may land. (Without this the persistent kernel
-      # never loaded the next item's q at D > 64 and hung.)
-      if early_next_q:
-        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
 
     def first_step(t, carry):
       acc, m, l = carry  # acc is still 0: nothing to rescale.
@@ -906,8 +903,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           q_smem, smem["k"].at[slot].transpose((1, 0)), (block_q, block_kv),
           while_running=jax.named_scope("signal")(turns.signal))
       release["k"].free(slot)
-      if early_next_q:
-        pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
+      issue_next_q_after(t)
       return acc, m, l, s
 
     def fused_step(t, carry, *, masked: bool):
@@ -949,8 +945,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       acc, s = lax.cond(has_next, pv_and_qk, pv_only)
       release["v"].free(slot)
       pl.when(has_next)(functools.partial(release["k"].free, next_slot))
-      if early_next_q:
-        pl.when(next_q[0] & (nxt == w_hi - 1))(next_q[1])
+      issue_next_q_after(nxt)
       return acc, m_new, l, s
 
     @jax.named_scope("skip")
