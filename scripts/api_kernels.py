@@ -36,6 +36,11 @@ def main() -> None:
   ap.add_argument("--lengths", default=None,
                   help="valid lengths per batch row, e.g. 4096,3072,2048,1024 "
                        "(then B is their count; queries and keys alike)")
+  ap.add_argument("--docs", type=int, default=None,
+                  help="packed documents of equal length per row (segment ids; "
+                       "cuDNN then runs without them, as a dense yardstick)")
+  ap.add_argument("--window", type=int, default=None,
+                  help="local_window_size (W, 0) with --causal 1, else (W, W)")
   ap.add_argument("--iterations", type=int, default=10, help="timed runs per median")
   ap.add_argument("--out", default=None, help="folder for api_kernels.json")
   args = ap.parse_args()
@@ -68,16 +73,29 @@ def main() -> None:
           B = lens.shape[0]
         extra = {} if lens is None else dict(query_seq_lengths=lens,
                                              key_value_seq_lengths=lens)
+        common = {}  # options cuDNN takes too
+        if args.window is not None:
+          common["local_window_size"] = (args.window, 0 if causal else args.window)
+        ids = None
+        if args.docs:
+          ids = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // (T // args.docs), (B, T))
+          extra.update(query_segment_ids=ids, key_value_segment_ids=ids)
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v, do = (jax.random.normal(kk, (B, T, N, D), jnp.bfloat16) for kk in keys)
-        mask = MaskSpec(causal=bool(causal), alignment="bottom_right")
+        mask = MaskSpec(causal=bool(causal), alignment="bottom_right",
+                        window_left=args.window,
+                        window_right=(None if args.window is None or causal
+                                      else args.window))
 
         def api(impl, q, k, v):
           if impl == "flash3":
             return flash3.dot_product_attention(q, k, v, is_causal=bool(causal),
-                                                implementation="mosaic", **extra)
+                                                implementation="mosaic", **extra,
+                                                **common)
+          cudnn_extra = {n: x for n, x in extra.items() if "segment" not in n}
           return jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal),
-                                              implementation="cudnn", **extra)
+                                              implementation="cudnn", **cudnn_extra,
+                                              **common)
 
         def fwd_bwd(impl):
           def run(q, k, v, do):
@@ -89,12 +107,14 @@ def main() -> None:
         both = {i: fwd_bwd(i) for i in ("flash3", "cudnn")}
         o, lse = flash3.dot_product_attention(q, k, v, is_causal=bool(causal),
                                               implementation="mosaic",
-                                              return_residual=True, **extra)
+                                              return_residual=True, **extra, **common)
         lse = lse.transpose(0, 2, 1)  # the API's (B, T, N); the kernel's (B, N, T)
         bwd = jax.jit(lambda q, k, v, o, lse, do: attention_backward(
             q, k, v, o, lse, do, scale=D ** -0.5, mask=mask,
-            **({} if lens is None else dict(q_lengths=lens, kv_lengths=lens))))
-        row = dict(D=D, T=T, B=B, N=N, causal=causal, lengths=args.lengths)
+            **({} if lens is None else dict(q_lengths=lens, kv_lengths=lens)),
+            **({} if ids is None else dict(q_segment_ids=ids, kv_segment_ids=ids))))
+        row = dict(D=D, T=T, B=B, N=N, causal=causal, lengths=args.lengths,
+                   docs=args.docs, window=args.window)
         for impl in ("flash3", "cudnn"):
           row[f"{impl}_fwd_ms"] = median_ms(fwd[impl], q, k, v)
           row[f"{impl}_fwd_bwd_ms"] = median_ms(both[impl], q, k, v, do)

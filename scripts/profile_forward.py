@@ -92,6 +92,8 @@ def main() -> int:
   ap.add_argument("--D", type=int, default=128)
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--window", type=int, default=None)
+  ap.add_argument("--docs", type=int, default=None,
+                  help="packed documents of equal length per row (segment ids)")
   ap.add_argument("--persistent", type=int, choices=(0, 1), default=None,
                   help="override the default config's persistent field")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/profile")
@@ -113,7 +115,13 @@ def main() -> int:
   mask = MaskSpec(causal=args.causal, alignment="bottom_right",
                   window_left=args.window,
                   window_right=None if args.window is None or args.causal else args.window)
-  config = forward.default_config(args.D, jnp.bfloat16, mask, args.T, args.T)
+  config = forward.default_config(args.D, jnp.bfloat16, mask, args.T, args.T,
+                                  packed=bool(args.docs))
+  seg = {}
+  if args.docs:
+    ids = jnp.broadcast_to(jnp.arange(args.T, dtype=jnp.int32) // (args.T // args.docs),
+                           (args.B, args.T))
+    seg = dict(q_segment_ids=ids, kv_segment_ids=ids)
   if args.persistent is not None:
     config = dataclasses.replace(config, persistent=bool(args.persistent))
   keys = jax.random.split(jax.random.key(0), 3)
@@ -125,7 +133,7 @@ def main() -> int:
     forward.PROFILE = (space, args.out)
     try:
       f = jax.jit(lambda q, k, v: forward.attention_forward(
-          q, k, v, scale=args.D ** -0.5, mask=mask, config=config))
+          q, k, v, scale=args.D ** -0.5, mask=mask, config=config, **seg))
       jax.block_until_ready(f(q, k, v))
       break
     except Exception as e:  # Too little shared memory left for this buffer.
@@ -138,7 +146,7 @@ def main() -> int:
   with open(traces[-1]) as f:
     text = summarize(json.load(f))
   head = (f"B={args.B} T={args.T} N={args.N} D={args.D} causal={args.causal} "
-          f"window={args.window}; {config}; profile buffer {space} scope ranges per "
+          f"window={args.window} docs={args.docs}; {config}; profile buffer {space} scope ranges per "
           f"warpgroup; trace {os.path.basename(traces[-1])}\n\n")
   with open(os.path.join(args.out, "summary.md"), "w") as f:
     f.write(head + text + "\n")

@@ -157,9 +157,32 @@ def overlap_cases():
     raise SystemExit("overlap case computed nothing or non-finite values")
 
 
+def schedule_cases():
+  """Causal D = 128's default forward, persistent since the twenty-sixth
+  session up to 4096 keys, with its schedule in chunks of the grid's order
+  (one round of 2 CTAs each: 8 items of unequal length in 4 chunks), and
+  packed documents on the same schedule built on the device."""
+  import dataclasses
+  from flash3.kernels.forward import attention_forward, default_config
+  q, k = (jax.random.normal(jax.random.key(i), (1, 512, 2, 128), jnp.bfloat16)
+          for i in (31, 32))
+  mask = MaskSpec(causal=True, alignment="bottom_right")
+  config = dataclasses.replace(default_config(128, jnp.bfloat16, mask, 512, 512),
+                               num_sms=2, schedule_rounds=1)
+  assert config.persistent, config
+  ids = jnp.repeat(jnp.arange(4), 128)[None]
+  for name, seg in (("causal", {}),
+                    ("causal documents", dict(q_segment_ids=ids, kv_segment_ids=ids))):
+    o, _ = attention_forward(q, k, k, scale=0.09, mask=mask, config=config, **seg)
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"persistent D=128 {name}, schedule in chunks: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"schedule case {name} computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
-          "overlap": overlap_cases}
+          "overlap": overlap_cases, "schedule": schedule_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -273,7 +273,8 @@ def test_gpu_persistent_packed_rows_match_reference_and_grid_kernel(D, mask):
     (128, NO_MASK, 4096, False), (256, NO_MASK, 512, True), (256, NO_MASK, 1024, True),
     (256, NO_MASK, 2048, False),
     (64, CAUSAL_BR, 2048, True), (128, CAUSAL_TL, 512, True),
-    (128, CAUSAL_BR, 1024, False), (64, CAUSAL_BR, 4096, True),
+    (128, CAUSAL_BR, 1024, True), (128, CAUSAL_BR, 4096, True),
+    (128, CAUSAL_BR, 8192, False), (64, CAUSAL_BR, 4096, True),
     (64, CAUSAL_BR, 16384, True), (256, CAUSAL_BR, 1024, False),
     # Windows: judged by the keys a query tile can see, whatever T is.
     (128, MaskSpec(causal=True, window_left=1024), 16384, True),
@@ -284,8 +285,8 @@ def test_gpu_persistent_packed_rows_match_reference_and_grid_kernel(D, mask):
     (256, MaskSpec(causal=True, window_left=1024), 16384, False),
     (128, MaskSpec(causal=True, window_left=4096), 16384, False),
     # A window that does not bind is no window: the plain rules apply.
-    (128, MaskSpec(causal=True, window_left=4096), 2048, False),
-    (128, MaskSpec(causal=True, window_right=0), 1024, False),
+    (128, MaskSpec(causal=True, window_left=4096), 2048, True),
+    (128, MaskSpec(causal=True, window_right=0), 8192, False),
     (128, MaskSpec(window_left=10**6, window_right=10**6), 1024, True),
     (128, MaskSpec(window_left=10**6, window_right=10**6), 4096, False),
 ])
@@ -293,7 +294,8 @@ def test_heuristic_uses_the_persistent_kernel_where_the_sweep_found_it_faster(
     D, mask, kv_len, want):
   # docs/benchmarks/h200/2026-12-01/tune.md: short non-causal sequences, and
   # causal ones up to 512 keys; -s9/tune.md: causal D=64 at any length;
-  # 2026-12-04-s23: D=256 up to 1024 keys without a mask.
+  # 2026-12-04-s23: D=256 up to 1024 keys without a mask; -s26: causal D=128
+  # up to 4096 keys (with the schedule's chunks of the grid's order).
   for interpret in (False, True):
     config = forward_config(D, jnp.bfloat16, mask, kv_len, kv_len, interpret=interpret)
     assert config.persistent is want

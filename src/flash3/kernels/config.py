@@ -25,6 +25,7 @@ import dataclasses
 
 from flash3._device import DEFAULT_SM_COUNT
 from flash3.kernels import sync
+from flash3.kernels.schedule import LOCALITY_ROUNDS
 from flash3.visibility import MaskSpec
 
 # Opt-in shared memory per CTA on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -180,6 +181,12 @@ class ForwardConfig:
       shape). ``forward_config`` turns it on above D=128 (H200, twenty-fourth
       session: +0.6% to +3.0% at D=256; 7-26% slower at D=64 and 128, whose
       softmax bounds a step).
+    schedule_rounds: the persistent kernel's schedule balances its items
+      longest first within consecutive chunks of ``schedule_rounds *
+      num_sms`` items in the grid's order, so CTAs running at the same time
+      read nearby K/V (shared in L2); 0 sorts all items by cost at once (the
+      schedule until the twenty-sixth session). ``kernels/schedule.py``
+      explains the trade; ignored unless ``persistent``. An int in [0, 64].
   """
 
   block_q: int = 64
@@ -198,6 +205,7 @@ class ForwardConfig:
   lazy_rescale: bool = True
   scale_first: bool = False
   fuse_pv_qk: bool = False
+  schedule_rounds: int = LOCALITY_ROUNDS
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -223,6 +231,7 @@ class ForwardConfig:
     check_bool("lazy_rescale", self.lazy_rescale)
     check_bool("scale_first", self.scale_first)
     check_bool("fuse_pv_qk", self.fuse_pv_qk)
+    check_multiple("schedule_rounds", self.schedule_rounds, 1, 0, 64)
     if self.fuse_pv_qk and (self.overlap_softmax or self.half_edge_tiles):
       raise ValueError(
           f"fuse_pv_qk=True needs overlap_softmax=False and half_edge_tiles="
@@ -313,6 +322,10 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int,
   eleventh session, docs/benchmarks/h200/2026-12-02-s11/tune.md) it ran
   causal D=64 +2%, D=128 -7%, and without causal D=64 -13%, D=128 even: no
   shape gains enough to leave the grid kernel's dynamic block scheduling.
+  With that schedule in chunks of the grid's order (twenty-sixth session)
+  causal documents ran at D=128 as fast as the grid kernel (0.2962 against
+  0.2963 ms; 0.3414 with one sort over all items) and at D=64 still 4.5%
+  slower.
   Packed rows with a short window follow the packed rule, unmeasured.
   """
   if packed:
@@ -323,8 +336,12 @@ def _prefers_persistent(head_dim: int, mask: MaskSpec, kv_len: int,
   if mask.causal:
     # Ninth session: with the meeting ping-pong and 256-key tiles, causal
     # D=64 ran faster persistent than in the grid: +21% at T=1024, +7% at
-    # 4096, +2-7% at 16384.
-    return head_dim <= 64 or (head_dim <= 128 and kv_len <= 512)
+    # 4096, +2-7% at 16384. Twenty-sixth session (docs/benchmarks/h200/
+    # 2026-12-04-s26/): with the schedule's chunks of the grid's order
+    # (``ForwardConfig.schedule_rounds``) causal D=128 ran persistent +23% at
+    # T=1024, +9% at 2048, +2% at 4096, and 2-3% slower at 8192 and 16384;
+    # D=256 0.7% slower to even at T 1024-16384.
+    return head_dim <= 64 or (head_dim <= 128 and kv_len <= 4096)
   # Twenty-third session (docs/benchmarks/h200/2026-12-04-s23/): D=256 ran
   # 3-4% faster persistent at T=512 and 0.5-1.5% at 1024, 0.6-1.6% slower at
   # 2048 (two sweeps each).

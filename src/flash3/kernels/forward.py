@@ -69,7 +69,8 @@ Persistent kernel (``ForwardConfig.persistent``, issue 3; the default for short
 sequences, ``config._prefers_persistent``): instead of
 one CTA per (head, query tile, batch), ``min(num_sms, items)`` CTAs each loop
 over the work items a schedule gives it (``schedule.lpt_schedule``:
-longest first, to the least-loaded CTA; round-robin in the grid's order when
+longest first within chunks of the grid's order, to the least-loaded CTA
+(``ForwardConfig.schedule_rounds``); round-robin in the grid's order when
 all items cost the same; with segment ids ``schedule.segment_schedule``
 builds it on the device from each item's documents). The K/V ring and its
 barriers run on across items (a carried tile count places each tile's slot),
@@ -470,12 +471,14 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
       table = schedule.segment_schedule(
           ranges, schedule.cta_tile_ranges(mask, q_len=Tq, kv_len=Tk,
                                            cta_rows=cta_rows, block_kv=block_kv),
-          num_heads=N, reverse_q_tiles=config.reverse_q_tiles, num_ctas=num_ctas)
+          num_heads=N, reverse_q_tiles=config.reverse_q_tiles, num_ctas=num_ctas,
+          rounds=config.schedule_rounds)
     else:
       costs = schedule.item_costs(
           mask, q_len=Tq, kv_len=Tk, num_heads=N, batch=B, cta_rows=cta_rows,
           block_kv=block_kv, reverse_q_tiles=config.reverse_q_tiles)
-      table = jnp.asarray(schedule.lpt_schedule(costs, num_ctas))
+      table = jnp.asarray(schedule.lpt_schedule(costs, num_ctas,
+                                                config.schedule_rounds))
     extra_inputs += (table,)
     body = functools.partial(body, num_ctas=num_ctas)
     grid, grid_names = (num_ctas,), (common.CTA_AXIS,)
