@@ -265,7 +265,10 @@ def test_heuristic_fuses_pv_and_qk_above_d128(d_pad, fused, mask):
     (128, MaskSpec(window_left=1024, window_right=1024), 16384, False, 128),
     (128, NO_MASK, 16384, True, 128),     # packed rows: unmeasured with 192
     (64, NO_MASK, 16384, False, 256),
-    (256, NO_MASK, 16384, False, 64)])
+    (256, NO_MASK, 16384, False, 64),
+    # Causal D=64: 128-key tiles below 1024 keys (twenty-sixth session).
+    (64, CAUSAL_BR, 512, False, 128), (64, CAUSAL_BR, 768, False, 128),
+    (64, CAUSAL_BR, 1024, False, 256), (64, CAUSAL_BR, 16384, False, 256)])
 def test_heuristic_block_kv(d_pad, mask, kv_len, packed, block_kv):
   # The thirteenth session's H200 A/B (docs/benchmarks/h200/2026-12-02-s13/).
   config = forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len, packed=packed)

@@ -373,7 +373,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
     mask: the MaskSpec; causal masks launch the longest query tiles first,
       and at D=64 take 256-key tiles in a 2-slot ring, persistent (ninth
       session: 0.99-1.07x cuDNN at T 4096-16384, against 0.90-0.95 with the
-      128-key grid kernel); windows take 128-key tiles up to D=128.
+      128-key grid kernel; 128-key tiles below 1024 keys since the
+      twenty-sixth); windows take 128-key tiles up to D=128.
     q_len, kv_len: Tq and Tk.
     interpret: the ring is shrunk until interpret mode's P staging buffer
       fits too (see common.py); the GPU path keeps the full ring.
@@ -397,6 +398,11 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
   if packed and mask.causal and head_dim <= 64:
     # Causal documents end on a diagonal tile each: 128-key tiles ran 19%
     # faster than 256 (8 documents of 2048, T=16384, tenth session).
+    block_kv = 128
+  if mask.causal and head_dim <= 64 and kv_len < 1024:
+    # Short causal rows: 128-key tiles in the persistent kernel ran +3.3% to
+    # +3.9% at T=512 (three runs) and +5% at 768, even at 1024, -0.5% at
+    # 2048 (twenty-sixth session, docs/benchmarks/h200/2026-12-04-s26/).
     block_kv = 128
   if (64 < head_dim <= 128 and not mask.causal and not windowed and not packed
       and kv_len >= 8192):
