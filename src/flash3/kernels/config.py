@@ -107,9 +107,10 @@ class ForwardConfig:
       the most keys under a causal mask start first; see
       ``common.grid_index``).
     persistent: launch ``min(num_sms, work items)`` CTAs that each loop over
-      work items (head, query tile, batch) longest first
-      (``schedule.lpt_schedule``; round-robin when all cost the same; with
-      segment ids ordered by each item's documents on the device); the
+      work items (head, query tile, batch), longest first within chunks of
+      the grid's order (``schedule.lpt_schedule``, ``schedule_rounds``;
+      round-robin when all cost the same; with segment ids ordered by each
+      item's documents on the device); the
       K/V ring streams on across items, so the producer loads the next item's
       tiles while the compute warpgroups finish the current one.
     num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
