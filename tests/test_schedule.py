@@ -140,11 +140,12 @@ def test_segment_schedule_runs_every_item_once_balanced_longest_first(
   chunk_len = rounds * num_ctas if rounds else len(costs)
   for items in _items(table):  # Chunk by chunk, longest first within one.
     assert _chunk_order_then_longest_first(items, costs, chunk_len)
-  # The snake deal's bound: within one item's cost of a perfect split (over
-  # all items), or of one per chunk.
+  # The snake deal's bound: within one item's cost of a perfect split in one
+  # chunk; over several, within two (each chunk's snake pairs a CTA's longer
+  # item with a shorter one, so the chunks' imbalances do not pile up).
   loads = _loads(table, costs)
   chunks = -(-len(costs) // chunk_len)
-  assert max(loads) - min(loads) <= costs.max() * (1 if rounds == 0 else chunks)
+  assert max(loads) - min(loads) <= costs.max() * (1 if chunks == 1 else 2)
   # The documents matter: the first row's items cost less than whole causal rows.
   assert costs[:16 * N].sum() < costs[16 * N:].sum()
 
