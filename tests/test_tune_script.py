@@ -334,3 +334,28 @@ def test_compile_report_rejects_a_malformed_case():
   for bad in ("fwd:128:4096", "dq:64:512:0", "fwd:64:512:2"):
     with pytest.raises(ValueError, match="what:D:T:causal"):
       report.parse_case(bad)
+
+
+def test_compile_report_reads_the_offline_dump_sass_and_spills():
+  # The offline dump's SASS (.sass_ctrl) prefixes each instruction with its
+  # control codes; ptxas names the function that spilled.
+  report = _script_module("compile_report")
+  log = "\n".join([
+      "ptxas warning : Registers are spilled to local memory in function "
+      "'dkv_kernel_mosaic_gpu_kernel', 176 bytes spill stores, 184 bytes spill loads",
+      "   -:-:-:Y:01        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+      "   -:-:1:Y:07        /*0010*/   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;",
+      "   -:-:-:Y:01        /*0020*/   STL [R1+0x4], R2 ;",
+  ])
+  s = report.summarize(log)
+  assert s["hgmma"] == 1 and s["local"] == 1
+  assert s["spills"] == {"dkv_kernel_mosaic_gpu_kernel": 176}
+  assert report.summarize("ptxas info    : Used 168 registers")["spills"] == {}
+
+
+def test_compile_report_parses_config_overrides():
+  report = _script_module("compile_report")
+  assert report.parse_overrides(["block_q_dkv=128", "pair_dq=True", "pingpong=handoff"]) == {
+      "block_q_dkv": 128, "pair_dq": True, "pingpong": "handoff"}
+  with pytest.raises(ValueError, match="'block_q_dkv' must be field=value"):
+    report.parse_overrides(["block_q_dkv"])

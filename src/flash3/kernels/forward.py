@@ -485,11 +485,13 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
   else:
     grid = (N, num_q_ctas, B)
     grid_names = (common.HEADS_AXIS, common.Q_TILES_AXIS, common.BATCH_AXIS)
+  def forward_kernel(q_ref, k_ref, v_ref, *refs):  # (Its name names the CUDA kernel.)
+    pl.run_scoped(lambda **s: body(q_ref, k_ref, v_ref, refs[-2], refs[-1], s,
+                                   extra_refs=refs[:-2]),
+                  **scratch, collective_axes=common.WG_AXIS)
+
   kernel = plgpu.kernel(
-      lambda q_ref, k_ref, v_ref, *refs: pl.run_scoped(
-          lambda **s: body(q_ref, k_ref, v_ref, refs[-2], refs[-1], s,
-                           extra_refs=refs[:-2]),
-          **scratch, collective_axes=common.WG_AXIS),
+      forward_kernel,
       out_type=(jax.ShapeDtypeStruct((B, Tq_buf, N, D), dtype),
                 jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
       grid=grid,
