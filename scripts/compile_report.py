@@ -222,7 +222,7 @@ def compile_case_offline(case: str, fwd_over: dict, bwd_over: dict) -> None:
           print(f.read(), flush=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES),
                   help="what:D:T:causal, e.g. fwd:128:4096:0 (default: %(default)s)")
@@ -232,11 +232,23 @@ def main() -> None:
                   help="no GPU: assemble the PTX of DIR/*.log again and count its SASS")
   ap.add_argument("--offline", action="store_true",
                   help="no GPU: compile through ptxas only (inside scripts/ptxas/env.sh)")
-  ap.add_argument("--fwd", nargs="*", default=[], metavar="FIELD=VALUE",
+  ap.add_argument("--fwd", nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
                   help="ForwardConfig fields replaced in every case")
-  ap.add_argument("--bwd", nargs="*", default=[], metavar="FIELD=VALUE",
+  ap.add_argument("--bwd", nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
                   help="BackwardConfig fields replaced in every bwd/bwdnd case")
   ap.add_argument("--run-case", default=None, help=argparse.SUPPRESS)
+  return ap
+
+
+def case_command(case: str, args: argparse.Namespace) -> list[str]:
+  """The command line of one case's own process: every override goes along."""
+  return ([sys.executable, __file__, "--run-case", case]
+          + [f"--fwd={x}" for x in args.fwd] + [f"--bwd={x}" for x in args.bwd]
+          + (["--offline"] if args.offline else []))
+
+
+def main() -> None:
+  ap = build_parser()
   args = ap.parse_args()
   try:
     fwd_over, bwd_over = parse_overrides(args.fwd), parse_overrides(args.bwd)
@@ -258,7 +270,6 @@ def main() -> None:
     ap.error("--offline runs inside scripts/ptxas/env.sh (it sets up the plugin, "
              "ptxas and the stand-in driver)")
   os.makedirs(args.out, exist_ok=True)
-  passed = [f"--fwd={x}" for x in args.fwd] + [f"--bwd={x}" for x in args.bwd]
 
   def one(case):
     path = os.path.join(args.out, case.replace(":", "_") + ".log")
@@ -269,8 +280,7 @@ def main() -> None:
         # Mosaic GPU writes each module's reports (and 100+ MB of pass logs) here.
         env.update(MOSAIC_GPU_DUMP_TO=dump, LD_LIBRARY_PATH=os.pathsep.join(
             filter(None, [os.environ["FLASH3_FAKE_DRIVER"], os.environ.get("LD_LIBRARY_PATH")])))
-      rc = subprocess.run([sys.executable, __file__, "--run-case", case, *passed]
-                          + (["--offline"] if args.offline else []), env=env,
+      rc = subprocess.run(case_command(case, args), env=env,
                           stdout=f, stderr=subprocess.STDOUT).returncode
     with open(path) as f:
       return case, rc, summarize(f.read())

@@ -359,3 +359,17 @@ def test_compile_report_parses_config_overrides():
       "block_q_dkv": 128, "pair_dq": True, "pingpong": "handoff"}
   with pytest.raises(ValueError, match="'block_q_dkv' must be field=value"):
     report.parse_overrides(["block_q_dkv"])
+
+
+def test_compile_report_passes_every_override_to_each_case():
+  # Each override reaches the case's process as its own --bwd=...; all of them
+  # must survive the round trip (a plain nargs list kept only the last).
+  report = _script_module("compile_report")
+  ap = report.build_parser()
+  args = ap.parse_args(["--offline", "--cases", "bwd:128:4096:1", "--bwd",
+                        "compute_registers=240", "producer_registers=24", "--fwd", "block_kv=64"])
+  cmd = report.case_command("bwd:128:4096:1", args)
+  again = ap.parse_args(cmd[2:])
+  assert again.run_case == "bwd:128:4096:1" and again.offline
+  assert report.parse_overrides(again.bwd) == {"compute_registers": 240, "producer_registers": 24}
+  assert report.parse_overrides(again.fwd) == {"block_kv": 64}
