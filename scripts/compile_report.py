@@ -97,6 +97,54 @@ def summarize(log: str) -> dict:
   )
 
 
+_LABEL = re.compile(r"^\s*\.L_x_(\d+):")
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*$")
+_BRANCH = re.compile(r"\bBRA\b.*\.L_x_(\d+)")
+
+
+def matmul_loops(sass: str) -> list[dict]:
+  """The loops of one kernel's SASS (``.text.<kernel>:`` onwards) that hold
+  HGMMA and hold no other such loop (innermost; a barrier's retry loop that
+  holds a matmul loop is left out, one that starts inside it and jumps back
+  from after it stays, as a longer overlapping span), in address order: each backward
+  branch's span with its instruction, HGMMA and LDL/STL counts. Spill
+  traffic inside the loop that runs every tile is what costs; the rest
+  (prologue, epilogue, rare masked loops) is worth less."""
+  body, labels, pending = [], {}, []
+  for line in sass.splitlines():
+    m = _LABEL.match(line)
+    if m:
+      pending.append(m.group(1))
+      continue
+    m = _INSTRUCTION.search(line)
+    if m:
+      addr = int(m.group(1), 16)
+      labels.update((label, addr) for label in pending)
+      pending = []
+      body.append((addr, m.group(2)))
+  loops = []
+  for addr, text in body:
+    m = _BRANCH.search(text)
+    if m and labels.get(m.group(1), addr) < addr:
+      span = [t for a, t in body if labels[m.group(1)] <= a <= addr]
+      hgmma = sum("HGMMA" in t for t in span)
+      if hgmma:
+        loops.append(dict(start=labels[m.group(1)], end=addr, instructions=len(span),
+                          hgmma=hgmma,
+                          local=sum(bool(re.search(r"\b(?:LDL|STL)\b", t)) for t in span)))
+  # Innermost: no other matmul loop inside.
+  inner = [x for x in loops if not any(
+      y is not x and x["start"] <= y["start"] and y["end"] <= x["end"] for y in loops)]
+  return sorted(inner, key=lambda loop: loop["start"])
+
+
+def kernel_sass(log: str) -> dict[str, str]:
+  """Each kernel's SASS in a dump, by kernel name."""
+  starts = [(m.start(), m.group(1)) for m in re.finditer(r"^\.text\.(\w+):", log, re.M)]
+  return {name: log[a:(starts[i + 1][0] if i + 1 < len(starts) else len(log))]
+          for i, (a, name) in enumerate(starts)}
+
+
 def ptx_modules(log: str) -> list[str]:
   """The PTX modules of a dump, in order (each up to the next ptxas line)."""
   out = []
@@ -295,6 +343,12 @@ def main() -> None:
                    f"| {len(s['serialized'])} "
                    f"| {', '.join(f'{k}: {v}' for k, v in s['spills'].items()) or 0} |")
       details += [f"\n## {case}\n"] + [f"    {line}" for line in s["ptxas"]]
+      with open(os.path.join(args.out, case.replace(":", "_") + ".log")) as f:
+        for kernel, sass in kernel_sass(f.read()).items():
+          for loop in matmul_loops(sass):
+            details.append(f"    {kernel}: loop at {loop['start']:#x}: "
+                           f"{loop['instructions']} instructions, {loop['hgmma']} HGMMA, "
+                           f"{loop['local']} LDL/STL")
       print(lines[-1], flush=True)
   text = "\n".join(lines + details) + "\n"
   with open(os.path.join(args.out, "summary.md"), "w") as f:

@@ -373,3 +373,27 @@ def test_compile_report_passes_every_override_to_each_case():
   assert again.run_case == "bwd:128:4096:1" and again.offline
   assert report.parse_overrides(again.bwd) == {"compute_registers": 240, "producer_registers": 24}
   assert report.parse_overrides(again.fwd) == {"block_kv": 64}
+
+
+def test_compile_report_finds_the_matmul_loops_and_their_spills():
+  report = _script_module("compile_report")
+  sass = "\n".join([
+      ".text.k_mosaic_gpu_kernel:",
+      "        /*0000*/   MOV R1, R2 ;",
+      ".L_x_1:",
+      "        /*0010*/   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;",
+      "        /*0020*/   STL [R1+0x4], R2 ;",
+      "        /*0030*/   LDL R3, [R1+0x4] ;",
+      ".L_x_2:",
+      "        /*0040*/   SYNCS.PHASECHK.TRANS64 P0, [UR5], R4 ;",
+      "        /*0050*/   @!P0 BRA `(.L_x_2) ;",  # a barrier's retry: no HGMMA
+      "        /*0060*/   @P1 BRA `(.L_x_1) ;",  # the matmul loop
+      ".L_x_3:",
+      "        /*0070*/   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;",
+      "        /*0080*/   @P2 BRA `(.L_x_3) ;",
+      "        /*0090*/   @P3 BRA `(.L_x_1) ;",  # encloses both: left out
+  ])
+  assert list(report.kernel_sass(sass)) == ["k_mosaic_gpu_kernel"]
+  loops = report.matmul_loops(sass)
+  assert [(x["start"], x["instructions"], x["hgmma"], x["local"]) for x in loops] == [
+      (0x10, 6, 1, 2), (0x70, 2, 1, 0)]
