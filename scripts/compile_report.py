@@ -104,9 +104,9 @@ _BRANCH = re.compile(r"\bBRA\b.*\.L_x_(\d+)")
 
 def matmul_loops(sass: str) -> list[dict]:
   """The loops of one kernel's SASS (``.text.<kernel>:`` onwards) that hold
-  HGMMA and hold no other such loop (innermost; a barrier's retry loop that
-  holds a matmul loop is left out, one that starts inside it and jumps back
-  from after it stays, as a longer overlapping span), in address order: each backward
+  HGMMA and hold no other such loop (innermost: a barrier's retry branch
+  that holds a matmul loop, or jumps back into one from past its end, is
+  left out), in address order: each backward
   branch's span with its instruction, HGMMA and LDL/STL counts. Spill
   traffic inside the loop that runs every tile is what costs; the rest
   (prologue, epilogue, rare masked loops) is worth less."""
@@ -132,9 +132,12 @@ def matmul_loops(sass: str) -> list[dict]:
         loops.append(dict(start=labels[m.group(1)], end=addr, instructions=len(span),
                           hgmma=hgmma,
                           local=sum(bool(re.search(r"\b(?:LDL|STL)\b", t)) for t in span)))
-  # Innermost: no other matmul loop inside.
+  # Innermost: no other matmul loop inside, and not a span that starts inside
+  # another and ends past it (a barrier's retry branch back into a loop).
   inner = [x for x in loops if not any(
-      y is not x and x["start"] <= y["start"] and y["end"] <= x["end"] for y in loops)]
+      y is not x and (x["start"] <= y["start"] and y["end"] <= x["end"]
+                      or y["start"] <= x["start"] <= y["end"] < x["end"])
+      for y in loops)]
   return sorted(inner, key=lambda loop: loop["start"])
 
 

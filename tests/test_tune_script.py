@@ -397,3 +397,17 @@ def test_compile_report_finds_the_matmul_loops_and_their_spills():
   loops = report.matmul_loops(sass)
   assert [(x["start"], x["instructions"], x["hgmma"], x["local"]) for x in loops] == [
       (0x10, 6, 1, 2), (0x70, 2, 1, 0)]
+
+
+def test_compile_report_leaves_out_a_retry_branch_back_into_a_loop():
+  report = _script_module("compile_report")
+  sass = "\n".join([
+      ".text.k_mosaic_gpu_kernel:",
+      ".L_x_1:",
+      "        /*0000*/   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;",
+      ".L_x_2:",
+      "        /*0010*/   SYNCS.PHASECHK.TRANS64 P0, [UR5], R4 ;",
+      "        /*0020*/   @P1 BRA `(.L_x_1) ;",
+      "        /*0030*/   @!P0 BRA `(.L_x_2) ;",  # from past the loop back into it
+  ])
+  assert [x["start"] for x in report.matmul_loops(sass)] == [0]
