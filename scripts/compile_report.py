@@ -6,8 +6,8 @@ N * D = 2048), with Mosaic GPU's dump switches on (``MOSAIC_GPU_DUMP_PTX``,
 ``MOSAIC_GPU_DUMP_PTXAS``, ``MOSAIC_GPU_DUMP_SASS``: they print the PTX, the
 ptxas log and nvdisasm's SASS of every Mosaic GPU module compiled). Each case's
 whole dump goes to ``<out>/<case>.log``; the summary lists, per case, ptxas's
-register and spill lines and every "Performance Loss" warning (C7515: wgmma
-serialised, which costs the pipelining of the tensor cores), and counts the
+register and spill lines and every "Performance Loss" warning (C7515, C7512:
+wgmma serialised, which costs the pipelining of the tensor cores), and counts the
 SASS's HGMMA instructions and local-memory accesses (LDL / STL: spills), or
 says "no SASS" where the dump has none (the H200 image's jax finds no
 nvdisasm; seen 2026-12-03).
@@ -30,8 +30,8 @@ installs the plugin, ptxas 13.0.88 (the H200 image's) and nvdisasm::
 
   bash scripts/ptxas/env.sh python scripts/compile_report.py --offline --out /tmp/c
 
-Its ptxas figures (registers, spills) matched the H200's where both were read
-(the dk/dv kernel's 176 bytes of spill stores at head_dim 128, causal).
+Its ptxas figures matched the H200's exactly where both were read (spill bytes
+and local-memory instructions of three backward kernels; docs/ptxas.md).
 
 A case is ``what:D:T:causal`` with ``what`` fwd, bwd (the backward's two
 kernels, its forward beside them) or bwdnd (the single-kernel backward of
@@ -59,8 +59,8 @@ DEFAULT_CASES = (
 DUMP_ENV = {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
             "MOSAIC_GPU_DUMP_SASS": "1"}
 # ptxas's report lines worth reading in the summary.
-_PTXAS_KEEP = re.compile(r"registers|spill|Performance Loss|C75\d\d|warning|stack",
-                         re.IGNORECASE)
+_PTXAS_KEEP = re.compile(r"registers|spill|Performance Loss|C75\d\d|warning|stack|"
+                         r"entry function", re.IGNORECASE)
 
 
 def parse_case(text: str) -> tuple[str, int, int, bool]:
@@ -70,6 +70,9 @@ def parse_case(text: str) -> tuple[str, int, int, bool]:
     raise ValueError(f"case {text!r} must be what:D:T:causal, what fwd, bwd or bwdnd, "
                      f"causal 0 or 1")
   what, d, t, causal = parts
+  if not (d.isdigit() and t.isdigit() and int(d) > 0 and int(t) > 0):
+    raise ValueError(f"case {text!r} must be what:D:T:causal with D and T positive "
+                     f"integers")
   return what, int(d), int(t), causal == "1"
 
 
@@ -199,28 +202,60 @@ def parse_overrides(items: list[str]) -> dict:
   return out
 
 
-def _case_fns(case: str, fwd_over: dict, bwd_over: dict):
-  """The case's forward (and backward) as one function of (q, k, v, do), and
-  its argument shapes."""
+def case_configs(case: str, fwd_over: dict, bwd_over: dict):
+  """The case's ForwardConfig and BackwardConfig (None for fwd cases): the
+  heuristic's, with the overrides replaced. ValueError naming the case, the
+  field and, for an unknown one, the fields there are."""
   import dataclasses
 
+  import jax.numpy as jnp
+  from flash3.kernels import forward
+  from flash3.kernels.backward import BackwardConfig
+  from flash3.visibility import MaskSpec
+
+  what, D, T, causal = parse_case(case)
+  mask = MaskSpec(causal=causal, alignment="bottom_right")
+
+  def replaced(config, over, flag):
+    names = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(over) - names)
+    if unknown:
+      raise ValueError(f"{flag} {unknown[0]}: {type(config).__name__} has no such field; "
+                       f"its fields are {', '.join(sorted(names))}")
+    try:
+      return dataclasses.replace(config, **over)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"case {case} with {flag} "
+                       f"{' '.join(f'{k}={v}' for k, v in over.items())}: {e} (the "
+                       f"heuristic's config there: {config})") from None
+
+  fwd_config = replaced(forward.default_config(D, jnp.bfloat16, mask, T, T), fwd_over,
+                        "--fwd")
+  bwd_config = None
+  if what in ("bwd", "bwdnd"):
+    bwd_config = replaced(
+        BackwardConfig.heuristic(D, T, T, mask, deterministic=what != "bwdnd"),
+        bwd_over, "--bwd")
+  return fwd_config, bwd_config
+
+
+def _case_fns(case: str, fwd_over: dict, bwd_over: dict):
+  """The case's forward (and backward) as one function of (q, k, v, do), and
+  its argument shapes; prints the configs (they go into the case's log)."""
   import jax
   import jax.numpy as jnp
   from flash3.kernels import forward
-  from flash3.kernels.backward import BackwardConfig, attention_backward
+  from flash3.kernels.backward import attention_backward
   from flash3.visibility import MaskSpec
 
   what, D, T, causal = parse_case(case)
   B, N = max(1, 16384 // T), 2048 // D
   mask = MaskSpec(causal=causal, alignment="bottom_right")
   scale = D ** -0.5
-  fwd_config = dataclasses.replace(
-      forward.default_config(D, jnp.bfloat16, mask, T, T), **fwd_over)
-  bwd_config = None
-  if what in ("bwd", "bwdnd"):
-    bwd_config = dataclasses.replace(
-        BackwardConfig.heuristic(D, T, T, mask, deterministic=what != "bwdnd"),
-        **bwd_over)
+  fwd_config, bwd_config = case_configs(case, fwd_over, bwd_over)
+  print(f"config {fwd_config}", flush=True)
+  if bwd_config is not None:
+    print(f"config {bwd_config}", flush=True)
 
   def fn(q, k, v, do):
     o, lse = forward.attention_forward(q, k, v, scale=scale, mask=mask, config=fwd_config)
@@ -277,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES),
                   help="what:D:T:causal, e.g. fwd:128:4096:0 (default: %(default)s)")
-  ap.add_argument("--out", default="compile_report", help="folder for the dumps and summary.md")
-  ap.add_argument("--jobs", type=int, default=8, help="cases compiled at once")
+  ap.add_argument("--out", default="out/compile_report",
+                  help="folder for each case's log and summary.md (default: %(default)s)")
+  ap.add_argument("--jobs", type=int, default=8, help="cases compiled at once (>= 1)")
   ap.add_argument("--disassemble", default=None, metavar="DIR",
                   help="no GPU: assemble the PTX of DIR/*.log again and count its SASS")
   ap.add_argument("--offline", action="store_true",
@@ -312,11 +348,17 @@ def main() -> None:
     print("| module | kernel | HGMMA | LDL/STL |\n|---|---|---|---|")
     print("\n".join(disassemble(args.disassemble)))
     return
+  if not args.cases:
+    ap.error("--cases needs at least one case")
+  if args.jobs < 1:
+    ap.error(f"--jobs {args.jobs}: must be at least 1")
   for c in args.cases:
     try:
-      parse_case(c)
+      case_configs(c, fwd_over, bwd_over)  # Every error before any compile.
     except ValueError as e:
       ap.error(str(e))
+  if bwd_over and all(parse_case(c)[0] == "fwd" for c in args.cases):
+    ap.error("--bwd applies to bwd and bwdnd cases; every case here is fwd")
   if args.offline and "FLASH3_FAKE_DRIVER" not in os.environ:
     ap.error("--offline runs inside scripts/ptxas/env.sh (it sets up the plugin, "
              "ptxas and the stand-in driver)")
@@ -334,29 +376,46 @@ def main() -> None:
       rc = subprocess.run(case_command(case, args), env=env,
                           stdout=f, stderr=subprocess.STDOUT).returncode
     with open(path) as f:
-      return case, rc, summarize(f.read())
+      log = f.read()
+    return case, rc, summarize(log), log, path
 
   lines = ["| case | rc | HGMMA in SASS | LDL/STL in SASS | serialised wgmma warnings "
            "| spill stores (bytes) |", "|---|---|---|---|---|---|"]
   details = []
+  failed = []
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    for case, rc, s in pool.map(one, args.cases):
+    for case, rc, s, log, path in pool.map(one, args.cases):
       sass = (lambda n: "no SASS" if n is None else n)
+      spills = ", ".join(f"{k}: {v}" for k, v in s["spills"].items()) or "0"
+      if rc:
+        failed.append(case)
+        spills = "failed"
       lines.append(f"| {case} | {rc} | {sass(s['hgmma'])} | {sass(s['local'])} "
-                   f"| {len(s['serialized'])} "
-                   f"| {', '.join(f'{k}: {v}' for k, v in s['spills'].items()) or 0} |")
-      details += [f"\n## {case}\n"] + [f"    {line}" for line in s["ptxas"]]
-      with open(os.path.join(args.out, case.replace(":", "_") + ".log")) as f:
-        for kernel, sass in kernel_sass(f.read()).items():
-          for loop in matmul_loops(sass):
-            details.append(f"    {kernel}: loop at {loop['start']:#x}: "
-                           f"{loop['instructions']} instructions, {loop['hgmma']} HGMMA, "
-                           f"{loop['local']} LDL/STL")
+                   f"| {len(s['serialized'])} | {spills} |")
+      details.append(f"\n## {case}\n")
+      details += [f"    {line[len('config '):]}" for line in log.splitlines()
+                  if line.startswith("config ")]
+      if rc:
+        # The exception's own line (JAX adds notes after its traceback).
+        last = next((x for x in reversed(log.splitlines())
+                     if re.match(r"[\w.]*(?:Error|Exception|Exit)\b", x.strip())),
+                    next((x for x in reversed(log.splitlines()) if x.strip()), "(empty log)"))
+        details.append(f"    FAILED (rc {rc}): {last.strip()}; the whole log: {path}")
+      details += [f"    {line}" for line in s["ptxas"]]
+      for kernel, kernel_text in kernel_sass(log).items():
+        for loop in matmul_loops(kernel_text):
+          details.append(f"    {kernel}: loop at {loop['start']:#x}: "
+                         f"{loop['instructions']} instructions, {loop['hgmma']} HGMMA, "
+                         f"{loop['local']} LDL/STL")
       print(lines[-1], flush=True)
-  text = "\n".join(lines + details) + "\n"
+  header = [f"`{' '.join(sys.argv)}`", ""]
+  text = "\n".join(header + lines + details) + "\n"
   with open(os.path.join(args.out, "summary.md"), "w") as f:
     f.write(text)
   print(text)
+  if failed:
+    raise SystemExit(f"{len(failed)} of {len(args.cases)} cases failed: {', '.join(failed)} "
+                     f"(their logs are in {args.out})")
 
 
 if __name__ == "__main__":

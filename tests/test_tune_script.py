@@ -308,8 +308,8 @@ def test_compile_report_counts_serialised_wgmma_spills_and_hgmma():
   assert s["hgmma"] == 2
   assert s["local"] == 2
   assert len(s["serialized"]) == 1 and "C7515" in s["serialized"][0]
-  # Registers, the warning and the spill line are kept; the 'Compiling' line is not.
-  assert len(s["ptxas"]) == 3
+  # Registers, the warning, the spill line and the kernel's name are kept.
+  assert len(s["ptxas"]) == 4 and "entry function 'mosaic_gpu_kernel'" in s["ptxas"][3]
 
 
 def test_compile_report_says_when_a_dump_has_no_sass():
@@ -331,8 +331,8 @@ def test_compile_report_rejects_a_malformed_case():
   report = _script_module("compile_report")
   assert report.parse_case("bwd:128:4096:1") == ("bwd", 128, 4096, True)
   assert report.parse_case("bwdnd:128:4096:0") == ("bwdnd", 128, 4096, False)
-  for bad in ("fwd:128:4096", "dq:64:512:0", "fwd:64:512:2"):
-    with pytest.raises(ValueError, match="what:D:T:causal"):
+  for bad in ("fwd:128:4096", "dq:64:512:0", "fwd:64:512:2", "fwd:128:abc:1", "fwd:0:512:1"):
+    with pytest.raises(ValueError, match=f"case '{bad}' must be what:D:T:causal"):
       report.parse_case(bad)
 
 
@@ -411,3 +411,19 @@ def test_compile_report_leaves_out_a_retry_branch_back_into_a_loop():
       "        /*0030*/   @!P0 BRA `(.L_x_2) ;",  # from past the loop back into it
   ])
   assert [x["start"] for x in report.matmul_loops(sass)] == [0]
+
+
+def test_compile_report_refuses_bad_overrides_before_compiling():
+  # Every config is built in the parent first: an unknown field names the
+  # fields there are, a bad value the case, the override and the base config.
+  report = _script_module("compile_report")
+  with pytest.raises(ValueError, match="--bwd no_such_field: BackwardConfig has no such "
+                                       "field; its fields are .*block_q_dkv"):
+    report.case_configs("bwd:128:4096:1", {}, {"no_such_field": 1})
+  with pytest.raises(ValueError, match=r"case bwd:128:4096:1 with --bwd block_q_dkv=7: "
+                                       r"block_q_dkv=7 .*the heuristic's config there"):
+    report.case_configs("bwd:128:4096:1", {}, {"block_q_dkv": 7})
+  fwd, bwd = report.case_configs("bwd:128:4096:1", {}, {"compute_registers": 240,
+                                                        "producer_registers": 24})
+  assert bwd.compute_registers == 240 and bwd.producer_registers == 24 and fwd is not None
+  assert report.case_configs("fwd:128:4096:1", {"block_kv": 128}, {})[1] is None
