@@ -127,6 +127,10 @@ def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
     with _kernels():
       o, vjp = jax.vjp(f, q, k, v)
       grads[det] = vjp(do)
+      # Which backward ran: the single kernel launches no dq kernel.
+      jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(q, k, v, do))
+    assert jaxpr.count("dkv_kernel") == 1, det
+    assert jaxpr.count("dq_kernel") == (0 if single and not det else 1), det
   f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
   ref = jax.vjp(lambda q, k, v: flash3.dot_product_attention(
       q, k, v, implementation="xla", **kw), *f32[:3])[1](f32[3])
@@ -135,11 +139,12 @@ def test_deterministic_false_allows_the_single_kernel_backward(D, causal):
       g = np.asarray(g, np.float32)
       err = np.abs(g - g_ref).max() / np.abs(g_ref).max()
       assert np.isfinite(g).all() and err < 2e-2, (det, name, err)
-  same = [np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-          for a, b in zip(grads[True], grads[False])]
-  # Causal D=128: the deterministic kernels ran both times (bitwise equal);
-  # else the single kernel (dq summed by reduce-add) sums in another order.
-  assert all(same) if not single else not all(same)
+  # Where the deterministic kernels ran both times, bitwise equal. (Where the
+  # single kernel ran, its dq sums in another order, which may or may not round
+  # differently: in interpret mode on 2026-12-04 they were bitwise equal.)
+  if not single:
+    assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+               for a, b in zip(grads[True], grads[False]))
 
 
 @pytest.mark.parametrize("Tq,Tk,kw,bad_rows", [
