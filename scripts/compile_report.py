@@ -35,7 +35,9 @@ and local-memory instructions of three backward kernels; docs/ptxas.md).
 
 A case is ``what:D:T:causal`` with ``what`` fwd, bwd (the backward's two
 kernels, its forward beside them) or bwdnd (the single-kernel backward of
-``BackwardConfig.heuristic(..., deterministic=False)``, dq by reduce-add).
+``BackwardConfig.heuristic(..., deterministic=False)``, dq by reduce-add),
+and an optional fifth field of options joined by '+' (``OPTIONS``: window,
+lengths, segments, softcap, sinks), e.g. ``bwd:64:4096:0:window+softcap``.
 ``--fwd field=value`` / ``--bwd field=value`` replace fields of the
 heuristic's ForwardConfig / BackwardConfig in every case (A/B of a knob).
 """
@@ -63,13 +65,34 @@ _PTXAS_KEEP = re.compile(r"registers|spill|Performance Loss|C75\d\d|warning|stac
                          r"entry function", re.IGNORECASE)
 
 
-def parse_case(text: str) -> tuple[str, int, int, bool]:
-  """'fwd:128:4096:1' -> ('fwd', 128, 4096, True); ValueError naming the case."""
+# A case's options (its fifth field, joined by '+'): a window of 1024 keys
+# (left only when causal, both sides else), per-batch lengths, 8 packed
+# documents, a soft cap of 30, sinks (the forward's only).
+OPTIONS = ("window", "lengths", "segments", "softcap", "sinks")
+
+
+def case_options(text: str) -> tuple[str, ...]:
+  """'fwd:128:4096:1:lengths+segments' -> ('lengths', 'segments'); ValueError
+  naming the case and the options there are."""
   parts = text.split(":")
-  if len(parts) != 4 or parts[0] not in ("fwd", "bwd", "bwdnd") or parts[3] not in ("0", "1"):
-    raise ValueError(f"case {text!r} must be what:D:T:causal, what fwd, bwd or bwdnd, "
-                     f"causal 0 or 1")
-  what, d, t, causal = parts
+  options = tuple(parts[4].split("+")) if len(parts) == 5 else ()
+  unknown = [o for o in options if o not in OPTIONS]
+  if unknown:
+    raise ValueError(f"case {text!r}: option {unknown[0]!r} is not one of "
+                     f"{', '.join(OPTIONS)}")
+  return options
+
+
+def parse_case(text: str) -> tuple[str, int, int, bool]:
+  """'fwd:128:4096:1' -> ('fwd', 128, 4096, True) (a fifth field holds the
+  options, ``case_options``); ValueError naming the case."""
+  parts = text.split(":")
+  if (len(parts) not in (4, 5) or parts[0] not in ("fwd", "bwd", "bwdnd")
+      or parts[3] not in ("0", "1")):
+    raise ValueError(f"case {text!r} must be what:D:T:causal[:options], what fwd, bwd "
+                     f"or bwdnd, causal 0 or 1, options of {'+'.join(OPTIONS)}")
+  case_options(text)
+  what, d, t, causal = parts[:4]
   if not (d.isdigit() and t.isdigit() and int(d) > 0 and int(t) > 0):
     raise ValueError(f"case {text!r} must be what:D:T:causal with D and T positive "
                      f"integers")
@@ -214,7 +237,8 @@ def case_configs(case: str, fwd_over: dict, bwd_over: dict):
   from flash3.visibility import MaskSpec
 
   what, D, T, causal = parse_case(case)
-  mask = MaskSpec(causal=causal, alignment="bottom_right")
+  mask = case_mask(case)
+  packed = "segments" in case_options(case)
 
   def replaced(config, over, flag):
     names = {f.name for f in dataclasses.fields(config)}
@@ -229,14 +253,26 @@ def case_configs(case: str, fwd_over: dict, bwd_over: dict):
                        f"{' '.join(f'{k}={v}' for k, v in over.items())}: {e} (the "
                        f"heuristic's config there: {config})") from None
 
-  fwd_config = replaced(forward.default_config(D, jnp.bfloat16, mask, T, T), fwd_over,
-                        "--fwd")
+  fwd_config = replaced(forward.default_config(D, jnp.bfloat16, mask, T, T, packed=packed),
+                        fwd_over, "--fwd")
   bwd_config = None
   if what in ("bwd", "bwdnd"):
     bwd_config = replaced(
-        BackwardConfig.heuristic(D, T, T, mask, deterministic=what != "bwdnd"),
+        BackwardConfig.heuristic(D, T, T, mask, deterministic=what != "bwdnd",
+                                 packed=packed),
         bwd_over, "--bwd")
   return fwd_config, bwd_config
+
+
+def case_mask(case: str):
+  """The case's MaskSpec: bottom-right causal or none, and its window."""
+  from flash3.visibility import MaskSpec
+
+  causal = parse_case(case)[3]
+  if "window" not in case_options(case):
+    return MaskSpec(causal=causal, alignment="bottom_right")
+  return MaskSpec(causal=causal, alignment="bottom_right", window_left=1024,
+                  window_right=None if causal else 1024)
 
 
 def _case_fns(case: str, fwd_over: dict, bwd_over: dict):
@@ -249,31 +285,57 @@ def _case_fns(case: str, fwd_over: dict, bwd_over: dict):
   from flash3.visibility import MaskSpec
 
   what, D, T, causal = parse_case(case)
+  options = case_options(case)
   B, N = max(1, 16384 // T), 2048 // D
-  mask = MaskSpec(causal=causal, alignment="bottom_right")
+  mask = case_mask(case)
   scale = D ** -0.5
   fwd_config, bwd_config = case_configs(case, fwd_over, bwd_over)
   print(f"config {fwd_config}", flush=True)
   if bwd_config is not None:
     print(f"config {bwd_config}", flush=True)
+  shapes = [jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)] * 4
+  # The options' arrays follow q, k, v, do, in this order.
+  arrays = [name for name in ("lengths", "segments", "sinks") if name in options]
+  shapes += [{"lengths": jax.ShapeDtypeStruct((2, B), jnp.int32),
+              "segments": jax.ShapeDtypeStruct((B, T), jnp.int32),
+              "sinks": jax.ShapeDtypeStruct((N,), jnp.float32)}[name] for name in arrays]
 
-  def fn(q, k, v, do):
-    o, lse = forward.attention_forward(q, k, v, scale=scale, mask=mask, config=fwd_config)
+  def fn(q, k, v, do, *extra):
+    given = dict(zip(arrays, extra))
+    kw = {}
+    if "lengths" in given:
+      kw.update(q_lengths=given["lengths"][0], kv_lengths=given["lengths"][1])
+    if "segments" in given:
+      kw.update(q_segment_ids=given["segments"], kv_segment_ids=given["segments"])
+    if "softcap" in options:
+      kw.update(softcap=30.0)
+    o, lse = forward.attention_forward(q, k, v, scale=scale, mask=mask, config=fwd_config,
+                                       sinks=given.get("sinks"), **kw)
     if bwd_config is None:
       return o, lse
     return attention_backward(q, k, v, o, lse, do, scale=scale, mask=mask,
-                              config=bwd_config)
+                              config=bwd_config, **kw)
 
-  return fn, [jax.ShapeDtypeStruct((B, T, N, D), jnp.bfloat16)] * 4
+  return fn, shapes
 
 
 def run_case(case: str, fwd_over: dict, bwd_over: dict) -> None:
   """In this process: compile and run the case's kernels once (the dumps print)."""
   import jax
+  import jax.numpy as jnp
 
   fn, shapes = _case_fns(case, fwd_over, bwd_over)
-  keys = jax.random.split(jax.random.key(0), len(shapes))
-  args = [jax.random.normal(kk, s.shape, s.dtype) for kk, s in zip(keys, shapes)]
+  keys = jax.random.split(jax.random.key(0), 4)
+  args = [jax.random.normal(kk, s.shape, s.dtype) for kk, s in zip(keys, shapes[:4])]
+  B, T = shapes[0].shape[:2]
+  for s in shapes[4:]:  # Valid values for the options' arrays.
+    if s.shape == (2, B):  # Every query, three quarters of the keys.
+      args.append(jnp.array([[T] * B, [max(1, T * 3 // 4)] * B], jnp.int32))
+    elif s.dtype == jnp.int32:  # 8 documents of equal length.
+      args.append(jnp.repeat(jnp.arange(8, dtype=jnp.int32), -(-T // 8))[None, :T]
+                  .repeat(B, 0))
+    else:  # Sinks.
+      args.append(jnp.zeros(s.shape, s.dtype))
   jax.block_until_ready(jax.jit(fn)(*args))
 
 

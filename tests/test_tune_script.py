@@ -427,3 +427,15 @@ def test_compile_report_refuses_bad_overrides_before_compiling():
                                                         "producer_registers": 24})
   assert bwd.compute_registers == 240 and bwd.producer_registers == 24 and fwd is not None
   assert report.case_configs("fwd:128:4096:1", {"block_kv": 128}, {})[1] is None
+
+
+def test_compile_report_case_options():
+  report = _script_module("compile_report")
+  assert report.parse_case("bwd:64:4096:0:window+softcap") == ("bwd", 64, 4096, False)
+  assert report.case_options("bwd:64:4096:0:window+softcap") == ("window", "softcap")
+  assert report.case_options("fwd:64:4096:0") == ()
+  mask = report.case_mask("fwd:64:4096:1:window")
+  assert (mask.causal, mask.window_left) == (True, 1024)
+  assert report.case_mask("fwd:64:4096:0:window").window_right == 1024
+  with pytest.raises(ValueError, match="option 'bias' is not one of window, lengths"):
+    report.parse_case("fwd:64:4096:0:bias")
