@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import json
 import multiprocessing as mp
 import os
@@ -241,7 +242,7 @@ def _visible_pairs(T: int, causal: bool, window: int | None,
 
 def _task(task):
   """Compile and warm one (shape, config); then time it and cuDNN under the lock."""
-  what, dtype_name, D, T, causal, window, docs, config, iterations = task
+  what, dtype_name, D, T, causal, window, docs, softcap, config, iterations = task
   import jax
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
@@ -254,6 +255,8 @@ def _task(task):
     row["window"] = window
   if docs is not None:
     row["docs"] = docs
+  if softcap is not None:
+    row["softcap"] = softcap
   try:
     dtype = jnp.dtype(dtype_name)
     B, N = max(1, 16384 // T), 2048 // D  # 16384 tokens a call (one row beyond)
@@ -270,6 +273,8 @@ def _task(task):
                              (B, T))
       seg = dict(q_segment_ids=ids, kv_segment_ids=ids)
       nn_mask = (ids[:, None, :, None] == ids[:, None, None, :])
+    if softcap is not None:  # Ours only: jax.nn has no soft cap, cuDNN runs without.
+      seg["softcap"] = softcap
     if what == "fwd":
       ours = jax.jit(lambda q, k, v: attention_forward(
           q, k, v, scale=scale, mask=mask, config=config, **seg))
@@ -345,6 +350,10 @@ def main():
   ap.add_argument("--window", type=int, default=None,
                   help="a local window: keys at most this far before (and, without "
                        "causal, after) the query; cuDNN gets the same window")
+  ap.add_argument("--softcap", type=float, default=None,
+                  help="logits soft cap c > 0 for flash3 (Gemma 2's tanh cap); cuDNN, "
+                       "which jax.nn gives no cap, runs without it, so its ratio is "
+                       "only a reference")
   ap.add_argument("--docs", type=int, default=None,
                   help="packed rows: this many equal documents per row (segment "
                        "ids; cuDNN gets them as a dense mask)")
@@ -373,6 +382,8 @@ def main():
   ap.add_argument("--time-budget", type=float, default=300)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/tune")
   args = ap.parse_args()
+  if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+    ap.error(f"--softcap {args.softcap}: must be a finite number > 0")
   if args.docs is not None and (args.docs < 1 or any(T % args.docs for T in args.T)):
     ap.error(f"--docs {args.docs}: needs a positive divisor of every --T {args.T}")
   os.makedirs(args.out, exist_ok=True)
@@ -391,8 +402,8 @@ def main():
     else:
       cands = _bwd_candidates(D, bool(causal), args.nondeterministic, args.window, T,
                               _register_pairs(args.registers))
-    tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, args.docs, c,
-               args.iterations) for c in cands]
+    tasks += [(args.what, args.dtype, D, T, bool(causal), args.window, args.docs,
+               args.softcap, c, args.iterations) for c in cands]
   print(f"{len(tasks)} measurements, {args.jobs} workers", flush=True)
   path = os.path.join(args.out, f"tune_{args.what}.jsonl")
   ctx = mp.get_context("spawn")

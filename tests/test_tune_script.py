@@ -207,12 +207,16 @@ def test_tune_task_runs_on_the_device_only_under_the_lock(monkeypatch, what):
   def on_device(name):
     ran.append((name, lock.held))
 
+  caps = []
+
   def fake_forward(q, k, v, *, scale, mask, config=None, **seg):
+    caps.append(seg.get("softcap"))
     jax.debug.callback(lambda: on_device("forward"))
     B, T, N, _ = q.shape
     return q * scale, jnp.zeros((B, N, T), jnp.float32)
 
   def fake_backward(q, k, v, o, lse, do, *, scale, mask, config=None, **seg):
+    caps.append(seg.get("softcap"))
     jax.debug.callback(lambda: on_device("backward"))
     return q + do, k, v
 
@@ -232,8 +236,11 @@ def test_tune_task_runs_on_the_device_only_under_the_lock(monkeypatch, what):
   monkeypatch.setattr(backward, "attention_backward", fake_backward)
   monkeypatch.setattr(profiler, "measure", fake_measure)
   monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: q)
-  row = tune._task((what, "bfloat16", 64, 128, False, None, None, None, 2))
+  # The backward's row with a soft cap (--softcap): it reaches flash3's calls.
+  softcap = 30.0 if what == "bwd" else None
+  row = tune._task((what, "bfloat16", 64, 128, False, None, None, softcap, None, 2))
   assert "error" not in row, row.get("tb")
+  assert caps and set(caps) == {softcap} and row.get("softcap") == softcap
   assert row["ratio"] == pytest.approx(1.0 if what == "fwd" else (4 - 3) / 6)
   names = {name for name, _ in ran}
   assert names == ({"inputs", "forward"} if what == "fwd" else
