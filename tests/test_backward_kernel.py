@@ -1008,13 +1008,17 @@ SOFTCAP_CASES = [
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "no_fold"])
 @pytest.mark.parametrize("B,Tq,Tk,N,K,D,dtype,mask,scale,opts",
                          [c[1:] for c in SOFTCAP_CASES],
                          ids=[c[0] for c in SOFTCAP_CASES])
-def test_interpret_softcap(B, Tq, Tk, N, K, D, dtype, mask, scale, opts):
-  """Large logits (scale 0.3-0.5 on unit normals) so tanh saturates."""
+def test_interpret_softcap(B, Tq, Tk, N, K, D, dtype, mask, scale, opts, fold):
+  """Large logits (scale 0.3-0.5 on unit normals) so tanh saturates; 1 - tanh^2
+  folded into p at once (the default) or applied to ds."""
+  config = dataclasses.replace(BackwardConfig.heuristic(D, Tq, Tk, mask, interpret=True),
+                               fold_softcap=fold)
   check_opts(B, Tq, Tk, N, K, D, dtype, mask, interpret=True, seed=Tq,
-             scale=scale, **opts)
+             scale=scale, config=config, **opts)
 
 
 

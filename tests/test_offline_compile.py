@@ -34,7 +34,7 @@ SPILL_BUDGET = {
     ("bwdnd:64:4096:1", "dkv_kernel_mosaic_gpu_kernel"): 8,
     ("fwd:128:16384:1:window", "forward_kernel_mosaic_gpu_kernel"): 4,
     ("bwd:128:4096:1:segments", "dkv_kernel_mosaic_gpu_kernel"): 508,
-    ("bwd:64:4096:0:window+softcap+lengths", "dkv_kernel_mosaic_gpu_kernel"): 1816,
+    ("bwd:64:4096:0:window+softcap+lengths", "dkv_kernel_mosaic_gpu_kernel"): 1052,
     ("bwd:256:4096:1:lengths", "dkv_kernel_mosaic_gpu_kernel"): 16,
     ("bwd:256:4096:1:lengths", "dq_kernel_mosaic_gpu_kernel"): 204,
 }

@@ -124,6 +124,17 @@ class BackwardConfig:
       23-31% longer than
       the default (a CTA covers half as many keys, so q and do stream twice
       as often per key).
+    fold_softcap: with a soft cap, fold the chain rule's 1 - tanh^2 into p as
+      soon as p is formed (ds = (p (1 - tanh^2)) (dp - delta)), so one
+      float32 score-shaped tile stays live until ds instead of two (p and
+      tanh); in the dk/dv kernel p also goes to the input dtype for dv's
+      matmul right away. The same math up to float32 rounding. Default
+      since the twenty-seventh session from ptxas's report alone
+      (docs/ptxas.md; no GPU was lent): at head_dim 64 the dk/dv kernel's
+      unmasked loop went from 237 to 26 local-memory instructions out of 980
+      and 763, at 128 from 62 to 0 out of 521 and 444. Not yet timed or run
+      on a GPU (docs/gpu_runs.md). The role split (head_dim 256) hands
+      p (1 - tanh^2) over already.
   """
 
   block_q_dq: int = 64
@@ -145,6 +156,7 @@ class BackwardConfig:
   producer_registers: int = 40
   num_stages_dkv: int = 0
   role_split: bool = False
+  fold_softcap: bool = True
 
   @property
   def stages_dkv(self) -> int:
@@ -162,7 +174,7 @@ class BackwardConfig:
     check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0,
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
-                 "share_dq", "overlap_matmuls", "pair_dq", "role_split"):
+                 "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):

@@ -290,7 +290,12 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           pT, th = tiles.probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
                                        scale=scale, softcap=softcap,
                                        fma_cols=config.exp2_fma_cols, guard=staged)
-          return (pT if keep is None else jnp.where(keep, pT, 0.0)), th
+          pT = pT if keep is None else jnp.where(keep, pT, 0.0)
+          if th is None or not config.fold_softcap:
+            return pT, th
+          # dv += pT do needs pT only in the input dtype, dsT only pT (1 - tanh^2):
+          # one float32 tile lives on instead of two (config.fold_softcap).
+          return pT.astype(dtype), tiles.through_softcap(pT, th)
 
         dq_rows = lambda: (b, pl.ds(t * bq, bq), kv_head * group + g)
 
@@ -314,6 +319,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
 
         def ds_of(pT, dpT, th):
           delta_col = plgpu.load(delta_ring.at[slot], layout=col)
+          if th is not None and config.fold_softcap:  # th is pT (1 - tanh^2).
+            pT, th = th, None
           dsT = tiles.through_softcap(
               pT * (dpT - lax.broadcast_in_dim(delta_col, shape, [1])), th)
           # Select, so NaN/inf in masked rows cannot leak.
@@ -328,7 +335,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           (pT, th), dpT = common.matmul_pair_first_then(
               (k_smem, q_smem.transpose((1, 0)), shape),
               (v_smem, do_smem.transpose((1, 0)), shape), probabilities,
-              tiles.score_like(shape, softcap))
+              tiles.score_like(shape, softcap,
+                               p_dtype=dtype if config.fold_softcap else None))
           make_ds = lambda: ds_of(pT, dpT, th).astype(dtype)
           if pair:
             # dq = ds k issued before dk += dsT q, and stored while dk runs.

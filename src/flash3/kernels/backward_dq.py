@@ -109,18 +109,26 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
             keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0])
                            == lax.broadcast_in_dim(k_seg, shape, [1]))
 
+        fold = softcap is not None and config.fold_softcap
+
         def probabilities(s):
           p, th = tiles.probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
                                       scale=scale, softcap=softcap,
                                       fma_cols=config.exp2_fma_cols, guard=staged)
-          return (p if keep is None else jnp.where(keep, p, 0.0)), th
+          p = p if keep is None else jnp.where(keep, p, 0.0)
+          if th is not None and fold:
+            # ds needs only p (1 - tanh^2): one float32 tile lives on instead
+            # of two (config.fold_softcap). It is 0 exactly where p is, or
+            # where tanh saturated (there ds is 0 anyway), for zero_where_unseen.
+            return tiles.through_softcap(p, th), None
+          return p, th
 
         if overlap:  # GPU: s and dp issued together, p formed while dp runs.
           plgpu.barrier_wait(v_bars.at[slot])
           (p, th), dp = common.matmul_pair_first_then(
               (q_smem, k_smem.transpose((1, 0)), shape),
               (do_smem, v_smem.transpose((1, 0)), shape), probabilities,
-              tiles.score_like(shape, softcap))
+              tiles.score_like(shape, None if fold else softcap))
         else:
           p, th = probabilities(common.matmul_smem(
               q_smem, k_smem.transpose((1, 0)), shape))

@@ -117,10 +117,15 @@ def probabilities(s, lse2, *, scale: float, softcap: float | None,
   return exp2.split_exp2(x, fma_cols, guard=guard), th
 
 
-def score_like(shape, softcap):
-  """Initial values shaped like ``probabilities``' results (run_state outputs)."""
-  zeros = lambda: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-  return zeros(), (None if softcap is None else zeros())
+def score_like(shape, softcap, p_dtype=None):
+  """Initial values shaped like ``probabilities``' results (run_state outputs);
+  ``p_dtype``: with a soft cap, p's dtype when p leaves in the input dtype
+  (``BackwardConfig.fold_softcap`` in the dk/dv kernel)."""
+  zeros = lambda dt=jnp.float32: plgpu.layout_cast(jnp.zeros(shape, dt),
+                                                   plgpu.Layout.WGMMA)
+  if softcap is None:
+    return zeros(), None
+  return zeros(p_dtype or jnp.float32), zeros()
 
 
 def through_softcap(ds, th):
