@@ -1004,6 +1004,9 @@ SOFTCAP_CASES = [
     ("window_lengths", 2, 120, 140, 2, 1, 64, BF16,
      W(window_left=40, window_right=10, alignment="bottom_right"), 0.5,
      dict(softcap=4.0, q_lengths=[120, 50], kv_lengths=[90, 140])),
+    # Whole tiles without a mask: both kernels' unmasked steps.
+    ("no_mask_whole_tiles", 1, 256, 256, 2, 2, 64, BF16, NO_MASK, 0.4,
+     dict(softcap=6.0)),
 ]
 
 
@@ -1687,6 +1690,12 @@ def with_roles(D, mask=CAUSAL_BR, **kw):
   base = BackwardConfig.heuristic(D, 256, 256, mask)
   return dataclasses.replace(base, compute_wgs_dkv=2, split_dkv=False,
                              role_split=True, **kw)
+
+
+def test_fold_softcap_must_be_a_bool():
+  with pytest.raises(ValueError, match="fold_softcap=1 must be a bool"):
+    BackwardConfig(fold_softcap=1)
+  assert BackwardConfig().fold_softcap is True
 
 
 def test_role_split_config_rules():

@@ -51,8 +51,9 @@ lists those tested):
   forward wrote there, sinks included). dq rows past q_len and dk, dv rows
   past kv_len are selected to exactly 0 at the end.
 * soft cap c: s_c = c tanh(scale s / c), p = exp(s_c - lse) and
-  ds = p (dp - delta) (1 - tanh^2), with tanh recomputed in the kernel (held
-  in registers for the tile: one more (block_q, block_kv) float32 array).
+  ds = p (dp - delta) (1 - tanh^2), with tanh recomputed in the kernel. By
+  default (``BackwardConfig.fold_softcap``) 1 - tanh^2 is folded into p as
+  soon as p is formed, so tanh is not held across the dp matmul.
 * segment ids: per row tile, the other axis' tile range its documents may
   touch and the run of tiles that need no per-element id mask are computed
   once per call in XLA (``forward._segment_tile_ranges``; for the dk/dv

@@ -128,13 +128,14 @@ class BackwardConfig:
       soon as p is formed (ds = (p (1 - tanh^2)) (dp - delta)), so one
       float32 score-shaped tile stays live until ds instead of two (p and
       tanh); in the dk/dv kernel p also goes to the input dtype for dv's
-      matmul right away. The same math up to float32 rounding. Default
+      matmul right away (that copy stays live too, at half the registers).
+      Both kernels fold, the dq kernel at every head_dim. The same math up to float32 rounding. Default
       since the twenty-seventh session from ptxas's report alone
       (docs/ptxas.md; no GPU was lent): at head_dim 64 the dk/dv kernel's
       unmasked loop went from 237 to 26 local-memory instructions out of 980
       and 763, at 128 from 62 to 0 out of 521 and 444. Not yet timed or run
-      on a GPU (docs/gpu_runs.md). The role split (head_dim 256) hands
-      p (1 - tanh^2) over already.
+      on a GPU (docs/gpu_runs.md). The role split's dk/dv kernel (head_dim
+      256) hands p (1 - tanh^2) over already, so there it changes nothing.
   """
 
   block_q_dq: int = 64

@@ -118,8 +118,9 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           p = p if keep is None else jnp.where(keep, p, 0.0)
           if th is not None and fold:
             # ds needs only p (1 - tanh^2): one float32 tile lives on instead
-            # of two (config.fold_softcap). It is 0 exactly where p is, or
-            # where tanh saturated (there ds is 0 anyway), for zero_where_unseen.
+            # of two (config.fold_softcap). For zero_where_unseen it is 0
+            # where p is (a masked pair, with a finite tanh), where tanh
+            # saturated (there ds is 0 anyway) or where the product underflows.
             return tiles.through_softcap(p, th), None
           return p, th
 

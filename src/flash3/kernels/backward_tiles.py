@@ -125,7 +125,7 @@ def score_like(shape, softcap, p_dtype=None):
                                                    plgpu.Layout.WGMMA)
   if softcap is None:
     return zeros(), None
-  return zeros(p_dtype or jnp.float32), zeros()
+  return zeros(jnp.float32 if p_dtype is None else p_dtype), zeros()
 
 
 def through_softcap(ds, th):
