@@ -234,7 +234,6 @@ def case_configs(case: str, fwd_over: dict, bwd_over: dict):
   import jax.numpy as jnp
   from flash3.kernels import forward
   from flash3.kernels.backward import BackwardConfig
-  from flash3.visibility import MaskSpec
 
   what, D, T, causal = parse_case(case)
   mask = case_mask(case)
@@ -282,7 +281,6 @@ def _case_fns(case: str, fwd_over: dict, bwd_over: dict):
   import jax.numpy as jnp
   from flash3.kernels import forward
   from flash3.kernels.backward import attention_backward
-  from flash3.visibility import MaskSpec
 
   what, D, T, causal = parse_case(case)
   options = case_options(case)

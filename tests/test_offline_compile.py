@@ -12,6 +12,7 @@ a change that spills more fails here before it costs a GPU run.
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def test_default_kernels_compile_through_ptxas_within_their_spill_budget(tmp_pat
     log = (out / (case.replace(":", "_") + ".log")).read_text()
     what = compile_report.parse_case(case)[0]
     s = compile_report.summarize(log)
-    entries = set(compile_report.re.findall(r"entry function '(\w+)'", log))
+    entries = set(re.findall(r"entry function '(\w+)'", log))
     # Every kernel reached ptxas and nvdisasm: the forward, and the backward's
     # dq and dk/dv kernels beside it (bwdnd's single kernel has no dq kernel).
     wanted = {"fwd": 1, "bwd": 3, "bwdnd": 2}[what]
