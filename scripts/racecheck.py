@@ -17,7 +17,8 @@ full run, checked in a short device call); ``--only lengths`` the loads of
 the lengths' end tiles (also run last in a full run); ``--only shared_pair``
 the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only fused`` the forward with P @ V and the next Q K^T issued together;
-``--only overlap`` the overlapped softmax in the persistent kernel at D = 128.
+``--only overlap`` the overlapped softmax in the persistent kernel at D = 128;
+``--only softcap`` the backward's folded soft cap on its GPU-only paths.
 """
 import argparse
 import sys
@@ -180,9 +181,37 @@ def schedule_cases():
       raise SystemExit(f"schedule case {name} computed nothing or non-finite values")
 
 
+def softcap_cases():
+  """The backward with a soft cap, 1 - tanh^2 folded into p
+  (``BackwardConfig.fold_softcap``, the default since the twenty-seventh
+  session) on the paths interpret mode never runs: the default overlapped
+  order at D = 64, 128 and 256 (role split), the plain order with
+  ``fuse_matmuls``, and the single kernel with ``pair_dq``. Causal
+  bottom-right, 192 queries over 200 keys (the last key tile ragged), GQA 2."""
+  from flash3.kernels.forward import attention_forward
+  keys = jax.random.split(jax.random.key(5), 4)
+  mask = MaskSpec(causal=True, alignment="bottom_right")
+  cases = [(64, None), (128, None), (256, None),
+           (64, BackwardConfig(overlap_matmuls=False, fuse_matmuls=True)),
+           (64, BackwardConfig(block_q_dkv=64, deterministic=False, pair_dq=True))]
+  for d, config in cases:
+    q, do = (jax.random.normal(kk, (1, 192, 2, d), jnp.bfloat16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, 200, 1, d), jnp.bfloat16) for kk in keys[2:])
+    o, lse = attention_forward(q, k, v, scale=0.2, mask=mask, softcap=10.0)
+    grads = attention_backward(q, k, v, o, lse, do, scale=0.2, mask=mask,
+                               softcap=10.0, config=config)
+    finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+    nonzero = [int(jnp.count_nonzero(g)) for g in grads]
+    print(f"soft-cap backward, D={d}, config={config}: finite {finite}, "
+          f"nonzero (dq, dk, dv) {nonzero}")
+    if not (finite and min(nonzero) > 0):
+      raise SystemExit(f"soft-cap case D={d} computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
-          "overlap": overlap_cases, "schedule": schedule_cases}
+          "overlap": overlap_cases, "schedule": schedule_cases,
+          "softcap": softcap_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
