@@ -153,6 +153,77 @@ def test_interpret_persistent_options(case):
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
 
 
+# ForwardConfig.defer_epilogue: an item's epilogue runs in the next item's
+# first step (while its Q K^T is in flight), the last one after the loop.
+# Same instructions on the same values: bitwise equal to the plain order.
+DEFER_CASES = [
+    # id, B, Tq, Tk, N, K, D, mask, config fields, options
+    ("plain", 1, 256, 300, 2, 1, 64, NO_MASK, {}, {}),
+    # D=128: the next q is issued in the item's last step (early_next_q).
+    ("d128-causal-half-tiles", 1, 256, 256, 2, 1, 128, CAUSAL_BR,
+     dict(block_kv=128, half_edge_tiles=True, reverse_q_tiles=True), {}),
+    # Items whose warpgroup sees no key tile: its pending epilogue runs at once.
+    ("empty-items", 1, 384, 100, 2, 1, 64, W(window_left=0, window_right=0), {}, {}),
+    ("lengths-sinks", 2, 200, 256, 2, 1, 64, CAUSAL_BR, {},
+     dict(q_lengths=[200, 37], kv_lengths=[256, 90], sinks=[0.5, -1.0])),
+    ("segments-window", 1, 256, 256, 2, 1, 64,
+     W(causal=True, window_left=70, alignment="bottom_right"), {},
+     dict(segments=([[100, 60, 96]], [[100, 60, 96]]))),
+    ("softcap-pingpong-off", 1, 200, 200, 2, 2, 64, CAUSAL_TL,
+     dict(pingpong="off"), dict(softcap=5.0)),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", DEFER_CASES, ids=[c[0] for c in DEFER_CASES])
+def test_interpret_deferred_epilogue_is_bitwise_the_plain_order(case):
+  _, B, Tq, Tk, N, K, D, mask, fields, opts = case
+  opts = _expand_opts(opts, Tq, Tk)
+  q, k, v = make_qkv(jax.random.key(Tq + 3 * Tk + D), B, Tq, Tk, N, K, D,
+                     jnp.bfloat16)
+  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  config = _cfg(num_sms=2, **fields)
+  o, lse = _run(q, k, v, mask=mask, separate_o=True, scale=scale,
+                config=dataclasses.replace(config, defer_epilogue=True), **opts)
+  assert not interpret_pallas_call.get_races().races_found
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+  o1, lse1 = _run(q, k, v, mask=mask, separate_o=True, scale=scale, config=config,
+                  detect_races=False, **opts)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o1, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+
+
+@pytest.mark.parametrize("fields", [dict(persistent=False),
+                                    dict(persistent=True, overlap_softmax=True)])
+def test_deferred_epilogue_config_errors(fields):
+  with pytest.raises(ValueError, match="defer_epilogue"):
+    ForwardConfig(defer_epilogue=True, **fields)
+  with pytest.raises(ValueError, match="defer_epilogue"):
+    ForwardConfig(persistent=True, defer_epilogue=1)
+
+
+def test_deferred_epilogue_needs_the_separate_o_tile():
+  # D=256 with two 64-key stages has no room for o apart from q.
+  q, k, v = make_qkv(jax.random.key(0), 1, 128, 128, 2, 1, 256, jnp.bfloat16)
+  config = _cfg(block_kv=64, num_stages=2, defer_epilogue=True)
+  with pytest.raises(ValueError, match="separate o tile"):
+    attention_forward(q, k, v, scale=0.1, mask=NO_MASK, config=config)
+
+
+@pytest.mark.parametrize("D,mask,fields", [
+    (64, NO_MASK, dict(block_kv=256)),
+    (128, CAUSAL_BR, dict(block_kv=128, half_edge_tiles=True, reverse_q_tiles=True)),
+])
+def test_deferred_epilogue_lowers_for_the_gpu(D, mask, fields):
+  # The carried q offset needs pl.multiple_of for the stores' layouts (the
+  # lowering failed in layout inference without it).
+  q, k, v = make_qkv(jax.random.key(0), 2, 1000, 1100, 4, 2, D, jnp.bfloat16)
+  config = _cfg(num_sms=132, defer_epilogue=True, **fields)
+  f = lambda q, k, v: attention_forward(q, k, v, scale=0.1, mask=mask, config=config)
+  text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 # ----------------------------------------------------------------------------
 # Lowering for the GPU (on the CPU): catches Mosaic GPU lowering errors
 # ----------------------------------------------------------------------------
@@ -233,6 +304,25 @@ def test_gpu_persistent_matches_reference_and_grid_kernel(case, num_sms):
     sl = (slice(0, 1), slice(None), slice(0, 1))
     assert_matches(o[sl], lse[:1, :1], q[sl], k[sl[:2] + (slice(0, 1),)],
                    v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,mask,T", [(64, NO_MASK, 512), (128, NO_MASK, 1024),
+                                      (128, CAUSAL_BR, 2048), (64, CAUSAL_BR, 1000)])
+def test_gpu_deferred_epilogue_matches_the_plain_order(D, mask, T):
+  B, N, K = 4, 8, 2
+  q, k, v = make_qkv(jax.random.key(T + D), B, T, T, N, K, D, jnp.bfloat16)
+  base = forward_config(D, jnp.bfloat16, mask, T, T)
+  assert base.persistent, base
+  config = dataclasses.replace(base, num_sms=132)
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask,
+                             config=dataclasses.replace(config, defer_epilogue=True))
+  o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
+  assert bool(jnp.all(o == o1)), "o differs from the plain order"
+  assert bool(jnp.all(lse == lse1)), "lse differs from the plain order"
+  sl = (slice(0, 1), slice(None), slice(0, 2))
+  assert_matches(o[sl], lse[:1, :2], q[sl], k[sl[:2] + (slice(0, 1),)],
+                 v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
 
 
 @pytest.mark.gpu

@@ -188,6 +188,14 @@ class ForwardConfig:
       read nearby K/V (shared in L2); 0 sorts all items by cost at once (the
       schedule until the twenty-sixth session). ``kernels/schedule.py``
       explains the trade; ignored unless ``persistent``. An int in [0, 64].
+    defer_epilogue: in the persistent kernel, a warpgroup runs an item's
+      epilogue (o = acc / l, the lse, their stores) while the next item's
+      first Q K^T is in flight, after it has handed the tensor cores to the
+      other warpgroup, instead of inside its turn before that Q K^T (the
+      other warpgroup waited for it). Needs ``persistent`` and the separate
+      o tile (``persistent_separate_o``; checked where head_dim is known)
+      and ``overlap_softmax`` off. An A/B knob for items of few key tiles
+      (short sequences, windows), off by default.
   """
 
   block_q: int = 64
@@ -207,6 +215,7 @@ class ForwardConfig:
   scale_first: bool = False
   fuse_pv_qk: bool = False
   schedule_rounds: int = LOCALITY_ROUNDS
+  defer_epilogue: bool = False
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -233,6 +242,12 @@ class ForwardConfig:
     check_bool("scale_first", self.scale_first)
     check_bool("fuse_pv_qk", self.fuse_pv_qk)
     check_multiple("schedule_rounds", self.schedule_rounds, 1, 0, 64)
+    check_bool("defer_epilogue", self.defer_epilogue)
+    if self.defer_epilogue and (not self.persistent or self.overlap_softmax):
+      raise ValueError(
+          f"defer_epilogue=True needs persistent=True and overlap_softmax="
+          f"False; got persistent={self.persistent}, overlap_softmax="
+          f"{self.overlap_softmax}")
     if self.fuse_pv_qk and (self.overlap_softmax or self.half_edge_tiles):
       raise ValueError(
           f"fuse_pv_qk=True needs overlap_softmax=False and half_edge_tiles="

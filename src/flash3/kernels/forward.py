@@ -274,6 +274,13 @@ def attention_forward(q, k, v, *, scale: float, mask: MaskSpec,
         interpret=interpret_params is not None)
     if PERSISTENT_SEPARATE_O is not None:
       separate_o = bool(PERSISTENT_SEPARATE_O)
+  if config.defer_epilogue and not separate_o:
+    # The deferred epilogue stages o while the next item's q is in its tile.
+    raise ValueError(
+        f"config={config} has defer_epilogue=True, which needs a separate o "
+        f"tile; at head_dim={d_pad} (padded) and num_stages="
+        f"{_num_stages(config, Tk)} shared memory has no room for one: lower "
+        f"num_stages or block_kv, or set defer_epilogue=False")
   o, lse = _forward(q, k, v, extras["lengths"], v_edges, extras["sinks"],
                     extras["segments"], scale=scale,
                     mask=mask, config=config, interpret=interpret_params,
@@ -581,6 +588,24 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                          None if named else smem[f"{name}_free"], first_id=first)
       for name, first in zip(("k", "v"), sync.release_first_ids(stages))}
 
+  score_scale = scale * common.LOG2_E
+  reduced = plgpu.Layout.WGMMA.reduce(1)
+  # The online softmax's domain: exp2(x) with x = (s - m) * expo_scale,
+  # s the scores as ``scores`` returns them and m their running max.
+  # Unless ``scale_first`` (or a soft cap, or a scale <= 0), s stays raw
+  # (the max needs no multiply first: scaling by c > 0 is monotone) and
+  # expo_scale is scale * log2(e); else s is already in the exp2 domain
+  # and expo_scale 1.
+  # (A scale whose float32 is subnormal or 0 takes the scaled path: a raw
+  # -inf times a zero expo_scale would be NaN.)
+  raw_scores = (not config.scale_first and softcap is None
+                and np.float32(score_scale) >= np.finfo(np.float32).tiny)
+  expo_scale = score_scale if raw_scores else 1.0
+  in_exp2 = lambda x: x * expo_scale if expo_scale != 1.0 else x
+  # A row's reference moves only when a tile's max exceeds it by more than
+  # this (in s's units; clamped to stay finite for a tiny scale).
+  threshold = min(RESCALE_THRESHOLD / expo_scale, 1e38)
+
   def setup(head, q_cta, batch):
     """The per-item scalars: lengths, shift, the key tiles the CTA streams."""
     kv_head = lax.div(head, jnp.asarray(heads_per_kv, head.dtype))
@@ -609,18 +634,90 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                 Tk=Tk, sink=sink, shift=shift, cta_q_lo=cta_q_lo, t_lo=t_lo,
                 t_hi=t_hi)
 
+  @jax.named_scope("epilogue")
+  def finish(pend, *, persistent: bool):
+    """An item's epilogue on warpgroup ``wg``: o = acc / l and the lse into
+    shared memory, then their TMA stores (rows past Tq dropped).
+    ``persistent``: the previous item's stores may still read the staging
+    tiles."""
+    acc, m, l, q_lo, batch, head = (pend[n] for n in (
+        "acc", "m", "l", "q_lo", "batch", "head"))
+    Tq, sink = pend.get("Tq"), pend.get("sink")
+    # Carried across items the offset loses what the layout inference reads
+    # from its arithmetic (a multiple of block_q), which the stores' tiling needs.
+    q_lo = pl.multiple_of(q_lo, block_q)
+    # The running max into the exp2 domain, rounded: the sink's alpha below
+    # subtracts it, and a fused m * c - m_fin would be exp2 of a rounding
+    # error at E03's magnitudes.
+    if expo_scale != 1.0:
+      m = common.scale_rounded(m, expo_scale, interpret=staging, layout=reduced)
+    if has_sinks:
+      # The sink joins the denominator as one more (raw, natural-log) logit.
+      sink2 = sink * common.LOG2_E
+      m_fin = jnp.maximum(m, sink2)
+      m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+      alpha = jnp.exp2(m - m_fin)
+      l = l * alpha + jnp.exp2(sink2 - m_fin)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      m = m_fin
+    # l is 0 only where nothing was seen (and no sink); a NaN l (a NaN sink)
+    # must reach lse as well as o.
+    seen = l != 0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    # (m + log2 l) ln 2, not m ln 2 + ln l: approximate ln is log2 times ln 2,
+    # and with two products feeding one sum the compiler may fuse either into
+    # an FMA, differently in kernel variants (E11: the lengths == T kernel's
+    # lse differed from the no-lengths kernel's by rounding on the H200 until
+    # this form; bitwise equal since, 2026-12-01).
+    lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
+                    -jnp.inf)
+    if has_lengths:
+      # Rows i >= q_len see nothing: they were computed like the others and
+      # are replaced here (selected, so NaN in their q cannot leak). Without
+      # lengths TMA drops the rows past Tq.
+      row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
+                                          layout=plgpu.Layout.WGMMA)
+      o = jnp.where(row < Tq, o, 0.0)
+      row_ok = q_lo + plgpu.broadcasted_iota(
+          jnp.int32, (block_q,), 0, layout=reduced) < Tq
+      empty_lse = -jnp.inf if sink is None else sink
+      lse = jnp.where(row_ok, lse, empty_lse)
+    o_smem = smem["qo"].at[wg]
+    if persistent:
+      if separate_o:
+        o_smem = smem["o"].at[wg]
+      # The previous item's o / lse stores must have read the staging tiles.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = o.astype(dtype)
+    lse_smem = smem["lse"].at[wg]
+    lse_smem[...] = lse
+    plgpu.commit_smem()
+    # TMA drops the rows past Tq.
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
+
   def slot_fn(it, g0):
     if g0 is None:  # One item per CTA: its first tile takes slot 0.
       return lambda t: lax.rem(t - it["t_lo"], stages)
     return lambda t: lax.rem(g0 + (t - it["t_lo"]), stages)
 
-  def compute_item(it, slot_of, *, load_q, next_q=None):
+  def compute_item(it, slot_of, *, load_q, next_q=None, pending=None):
     """One item on compute warpgroup ``wg``.
 
     ``next_q``: None for the one-item kernel; else ``(has_next, issue)``,
     ``issue()`` starting the TMA of the next item's q into this warpgroup's
     q tile, done once nothing reads that tile any more.
+    ``pending``: None, or (``ForwardConfig.defer_epilogue``) ``(valid, pend)``
+    with the previous item's ``pend`` (see the end): its epilogue runs while
+    this item's first Q K^T is in flight, after the turn's signal, and this
+    item returns its own ``pend`` instead of storing it.
     """
+    defer = pending is not None
+
+    def run_pending():
+      # The previous item's epilogue (none before the CTA's first item).
+      pl.when(pending[0])(functools.partial(finish, pending[1], persistent=True))
     batch, head, Tq, Tk, shift = (it["batch"], it["head"], it["Tq"], it["Tk"],
                                   it["shift"])
     t_lo, t_hi, sink = it["t_lo"], it["t_hi"], it["sink"]
@@ -657,8 +754,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     m2 = jnp.clip(ft_hi, m1, w_hi)
 
     jax.named_scope("q_wait")(plgpu.barrier_wait)(smem["q_loaded"].at[wg])
-    score_scale = scale * common.LOG2_E
-    reduced = plgpu.Layout.WGMMA.reduce(1)
     D = q_smem.shape[-1]
     # The persistent kernel's next q, issued in the item's last compute step
     # rather than after it: at D=128 the next item then waited 0.28 instead of
@@ -666,22 +761,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # window of 1024 ran 3% faster; at D=64, whose steps are shorter, the
     # per-step check cost 2-3% (H200, seventeenth session).
     early_next_q = next_q is not None and separate_o and D > 64
-
-    # The online softmax's domain: exp2(x) with x = (s - m) * expo_scale,
-    # s the scores as ``scores`` returns them and m their running max.
-    # Unless ``scale_first`` (or a soft cap, or a scale <= 0), s stays raw
-    # (the max needs no multiply first: scaling by c > 0 is monotone) and
-    # expo_scale is scale * log2(e); else s is already in the exp2 domain
-    # and expo_scale 1.
-    # (A scale whose float32 is subnormal or 0 takes the scaled path: a raw
-    # -inf times a zero expo_scale would be NaN.)
-    raw_scores = (not config.scale_first and softcap is None
-                  and np.float32(score_scale) >= np.finfo(np.float32).tiny)
-    expo_scale = score_scale if raw_scores else 1.0
-    in_exp2 = lambda x: x * expo_scale if expo_scale != 1.0 else x
-    # A row's reference moves only when a tile's max exceeds it by more than
-    # this (in s's units; clamped to stay finite for a tiny scale).
-    threshold = min(RESCALE_THRESHOLD / expo_scale, 1e38)
 
     def scores(s, t, *, masked: bool, half: int | None = None):
       """Raw Q K_t^T -> scores in the softmax's domain (see ``expo_scale``),
@@ -761,7 +840,16 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       if early_next_q:
         pl.when(next_q[0] & (t == w_hi - 1))(next_q[1])
 
-    def compute_step(t, carry, *, masked: bool, half: int | None = None):
+    def with_signal(also):
+      """What runs while a Q K^T is in flight: the turn's signal, then
+      ``also`` (the deferred epilogue, in an item's first step)."""
+      signal = jax.named_scope("signal")(turns.signal)
+      if also is None:
+        return signal
+      return lambda: (signal(), also())
+
+    def compute_step(t, carry, *, masked: bool, half: int | None = None,
+                     also=None):
       # K of tile t was waited for already: by the previous compute step,
       # while its P @ V ran, or before the first compute step. ``half`` 0 / 1
       # (config.half_edge_tiles): only that half of the tile's keys.
@@ -774,7 +862,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         v_tile = v_tile.at[pl.ds(half * width, width)]
       s = jax.named_scope("qk")(common.matmul_smem)(
           q_smem, k_tile.transpose((1, 0)), (block_q, width),
-          while_running=jax.named_scope("signal")(turns.signal))
+          while_running=with_signal(also))
       release["k"].free(slot)
       issue_next_q_after(t)
       p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
@@ -829,11 +917,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       p_tile[...] = p16
       plgpu.commit_smem()
 
-    def first_step(t, carry):
+    def first_step(t, carry, also=None):
       acc, m, l = carry  # acc is still 0: nothing to rescale.
       slot = slot_of(t)
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
-                             (block_q, block_kv), while_running=turns.signal)
+                             (block_q, block_kv), while_running=with_signal(also))
       release["k"].free(slot)
       issue_next_q_after(t)
       p16, m, _, l = softmax_to_p(s, t, m, l, masked=True)
@@ -901,12 +989,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
                                plgpu.Layout.WGMMA)
 
-    def fused_first(t, carry):
+    def fused_first(t, carry, also=None):
       acc, m, l, _ = carry
       slot = slot_of(t)
       s = jax.named_scope("qk")(common.matmul_smem)(
           q_smem, smem["k"].at[slot].transpose((1, 0)), (block_q, block_kv),
-          while_running=jax.named_scope("signal")(turns.signal))
+          while_running=with_signal(also))
       release["k"].free(slot)
       issue_next_q_after(t)
       return acc, m, l, s
@@ -972,6 +1060,18 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), reduced)
     l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), reduced)
     lax.fori_loop(t_lo, w_lo, skip_step, None)
+    if defer:
+      # No tile of this item for this warpgroup: the previous epilogue runs
+      # now (else in the first step, with ``also``).
+      pl.when(w_lo == w_hi)(run_pending)
+    also = run_pending if defer else None
+    # With a deferred epilogue the item's first tile w_lo is peeled off the
+    # loops: a step of its kind (one of the loops of 0 or 1 trips below)
+    # carries the epilogue; the loops then start at w_lo + 1.
+    after_first = w_lo + 1 if defer else w_lo
+
+    def from_second(lo):
+      return jnp.maximum(lo, after_first)
 
     @pl.when(w_lo < w_hi)
     @jax.named_scope("first_k")
@@ -982,7 +1082,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     if config.overlap_softmax:
       # Loops of 0 or 1 step: the first tile's softmax, the last tile's P @ V.
       start = jnp.minimum(w_lo + 1, w_hi)
-      carry = lax.fori_loop(w_lo, start, first_step, carry)
+      carry = lax.fori_loop(w_lo, start, functools.partial(first_step, also=also),
+                            carry)
       a1 = jnp.clip(m1, start, w_hi)
       a2 = jnp.clip(m2, a1, w_hi)
       carry = lax.fori_loop(start, a1, functools.partial(overlap_step, masked=True), carry)
@@ -990,7 +1091,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(a2, w_hi, functools.partial(overlap_step, masked=True), carry)
       carry = lax.fori_loop(jnp.maximum(w_hi - 1, w_lo), w_hi, last_pv, carry)
     elif config.fuse_pv_qk:
-      carry = lax.fori_loop(w_lo, jnp.minimum(w_lo + 1, w_hi), fused_first,
+      carry = lax.fori_loop(w_lo, jnp.minimum(w_lo + 1, w_hi),
+                            functools.partial(fused_first, also=also),
                             (*carry, zero_scores()))
       carry = lax.fori_loop(w_lo, m1, functools.partial(fused_step, masked=True), carry)
       carry = lax.fori_loop(m1, m2, functools.partial(fused_step, masked=False), carry)
@@ -1002,16 +1104,25 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         # Such tiles lie outside [m1, m2): a fully visible tile has no
         # unseen half.
         a, b = _half_edges(mask, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv)
-        carry = lax.fori_loop(w_lo, a, functools.partial(
-            compute_step, masked=True, half=1), carry)
       m1c = jnp.clip(m1, a, b)
       m2c = jnp.clip(m2, m1c, b)
-      carry = lax.fori_loop(a, m1c, functools.partial(compute_step, masked=True), carry)
-      carry = lax.fori_loop(m1c, m2c, functools.partial(compute_step, masked=False), carry)
-      carry = lax.fori_loop(m2c, b, functools.partial(compute_step, masked=True), carry)
+      # The loops in key order: (first, end, masked, half).
+      loops = [(a, m1c, True, None), (m1c, m2c, False, None), (m2c, b, True, None)]
       if config.half_edge_tiles:
-        carry = lax.fori_loop(b, w_hi, functools.partial(
-            compute_step, masked=True, half=0), carry)
+        loops = [(w_lo, a, True, 1)] + loops + [(b, w_hi, True, 0)]
+      if defer:
+        # One peeled step per kind of step (the two masked loops share one).
+        kinds = {}
+        for lo, hi, masked, half in loops:
+          kinds.setdefault((masked, half), []).append((lo, hi))
+        for (masked, half), ranges in kinds.items():
+          hit = functools.reduce(lambda x, y: x | y,
+                                 [(lo <= w_lo) & (w_lo < hi) for lo, hi in ranges])
+          carry = lax.fori_loop(w_lo, w_lo + hit.astype(jnp.int32), functools.partial(
+              compute_step, masked=masked, half=half, also=also), carry)
+      for lo, hi, masked, half in loops:
+        carry = lax.fori_loop(from_second(lo), hi, functools.partial(
+            compute_step, masked=masked, half=half), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     acc, m, l = carry
     if early_next_q:
@@ -1023,63 +1134,21 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       # next item's q may land while this one's epilogue runs.
       pl.when(next_q[0])(next_q[1])
 
-    with jax.named_scope("epilogue"):
-      # The running max into the exp2 domain, rounded: the sink's alpha below
-      # subtracts it, and a fused m * c - m_fin would be exp2 of a rounding
-      # error at E03's magnitudes.
-      if expo_scale != 1.0:
-        m = common.scale_rounded(m, expo_scale, interpret=staging, layout=reduced)
-      if has_sinks:
-        # The sink joins the denominator as one more (raw, natural-log) logit.
-        sink2 = sink * common.LOG2_E
-        m_fin = jnp.maximum(m, sink2)
-        m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
-        alpha = jnp.exp2(m - m_fin)
-        l = l * alpha + jnp.exp2(sink2 - m_fin)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        m = m_fin
-      # l is 0 only where nothing was seen (and no sink); a NaN l (a NaN sink)
-      # must reach lse as well as o.
-      seen = l != 0
-      inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-      # (m + log2 l) ln 2, not m ln 2 + ln l: approximate ln is log2 times ln 2,
-      # and with two products feeding one sum the compiler may fuse either into
-      # an FMA, differently in kernel variants (E11: the lengths == T kernel's
-      # lse differed from the no-lengths kernel's by rounding on the H200 until
-      # this form; bitwise equal since, 2026-12-01).
-      lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
-                      -jnp.inf)
-      if has_lengths:
-        # Rows i >= q_len see nothing: they were computed like the others and
-        # are replaced here (selected, so NaN in their q cannot leak). Without
-        # lengths TMA drops the rows past Tq.
-        row = q_lo + plgpu.broadcasted_iota(jnp.int32, acc.shape, 0,
-                                            layout=plgpu.Layout.WGMMA)
-        o = jnp.where(row < Tq, o, 0.0)
-        row_ok = q_lo + plgpu.broadcasted_iota(
-            jnp.int32, (block_q,), 0, layout=reduced) < Tq
-        empty_lse = -jnp.inf if sink is None else sink
-        lse = jnp.where(row_ok, lse, empty_lse)
-      o_smem = q_smem
-      if next_q is not None:
-        if separate_o:
-          o_smem = smem["o"].at[wg]
-        # The previous item's o / lse stores must have read the staging tiles.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = o.astype(dtype)
-      lse_smem = smem["lse"].at[wg]
-      lse_smem[...] = lse
-      plgpu.commit_smem()
-      # TMA drops the rows past Tq.
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, pl.ds(q_lo, block_q), head])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_lo, block_q)])
-      if next_q is None:
-        common.wait_final_stores()
-      elif not separate_o:
-        # o was staged in the q tile: the next q may land once the store read it.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        pl.when(next_q[0])(next_q[1])
+    pend = dict(acc=acc, m=m, l=l, q_lo=q_lo, batch=batch, head=head)
+    if has_lengths:
+      pend["Tq"] = Tq
+    if has_sinks:
+      pend["sink"] = sink
+    if defer:
+      return pend
+    finish(pend, persistent=next_q is not None)
+    if next_q is None:
+      common.wait_final_stores()
+    elif not separate_o:
+      # o was staged in the q tile: the next q may land once the store read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(next_q[0])(next_q[1])
+    return None
 
   def produce_item(it, slot_of, g0):
     """The K/V tiles of one item; ``g0`` as in ``slot_fn`` (None: one item per CTA)."""
@@ -1175,12 +1244,18 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
 
     issue_q(item_index(0))
 
-    def item(step, g):
+    defer = config.defer_epilogue
+
+    def item(step, carry):
+      g, pend = carry if defer else (carry, None)
       it = jax.named_scope("setup")(lambda: setup(*item_of(item_index(step))))()
-      compute_item(it, slot_fn(it, g), load_q=False,
-                   next_q=(step + 1 < n_local,
-                           functools.partial(issue_q, item_index(step + 1))))
-      return g + (it["t_hi"] - it["t_lo"])
+      new_pend = compute_item(
+          it, slot_fn(it, g), load_q=False,
+          next_q=(step + 1 < n_local,
+                  functools.partial(issue_q, item_index(step + 1))),
+          pending=(step > 0, pend) if defer else None)
+      g = g + (it["t_hi"] - it["t_lo"])
+      return (g, new_pend) if defer else g
 
     # The turns run on across items: per item each warpgroup signals and
     # waits once per tile, so a start and a finish per item would let
@@ -1188,8 +1263,27 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # first tile) before warpgroup 1 waits: a named barrier would then
     # complete on warpgroup 0's arrivals alone (seen as hangs on an H200).
     turns.start()
-    lax.fori_loop(0, n_local, item, jnp.int32(0))
-    turns.finish()
+    if defer:
+      # A placeholder for the item before the first (never stored: step 0
+      # runs no pending epilogue).
+      zero = jnp.int32(0)
+      pend = dict(
+          acc=plgpu.layout_cast(jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
+                                plgpu.Layout.WGMMA),
+          m=plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), reduced),
+          l=plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), reduced),
+          q_lo=zero, batch=zero, head=zero)
+      if has_lengths:
+        pend["Tq"] = zero
+      if has_sinks:
+        pend["sink"] = jnp.float32(0)
+      _, pend = lax.fori_loop(0, n_local, item, (zero, pend))
+      turns.finish()
+      # The last item's epilogue (n_local >= 1).
+      finish(pend, persistent=True)
+    else:
+      lax.fori_loop(0, n_local, item, jnp.int32(0))
+      turns.finish()
     common.wait_final_stores()
 
   @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
