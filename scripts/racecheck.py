@@ -18,7 +18,8 @@ the lengths' end tiles (also run last in a full run); ``--only shared_pair``
 the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only fused`` the forward with P @ V and the next Q K^T issued together;
 ``--only overlap`` the overlapped softmax in the persistent kernel at D = 128;
-``--only softcap`` the backward's folded soft cap on its GPU-only paths.
+``--only softcap`` the backward's folded soft cap on its GPU-only paths;
+``--only defer`` the persistent forward's deferred epilogue.
 """
 import argparse
 import sys
@@ -208,10 +209,36 @@ def softcap_cases():
       raise SystemExit(f"soft-cap case D={d} computed nothing or non-finite values")
 
 
+def defer_cases():
+  """The persistent forward with each item's epilogue deferred into the next
+  item's first step (``ForwardConfig.defer_epilogue``): the o / lse staging
+  tiles written while the next Q K^T runs and the previous stores may still
+  read them. 2 CTAs with several items each: D = 64 plain, D = 128 causal
+  with half edge tiles, and packed documents with a window (items whose
+  warpgroup sees no key tile)."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  ids = jnp.repeat(jnp.arange(4), 96)[None]
+  cases = [(64, MaskSpec(), dict(block_kv=128), {}),
+           (128, MaskSpec(causal=True, alignment="bottom_right"),
+            dict(block_kv=128, half_edge_tiles=True, reverse_q_tiles=True), {}),
+           (64, MaskSpec(causal=True, window_left=70), dict(block_kv=64),
+            dict(q_segment_ids=ids, kv_segment_ids=ids))]
+  for d, mask, fields, seg in cases:
+    q, k = (jax.random.normal(jax.random.key(i), (1, 384, 2, d), jnp.bfloat16)
+            for i in (41, 42))
+    config = ForwardConfig(persistent=True, num_sms=2, defer_epilogue=True, **fields)
+    o, _ = attention_forward(q, k, k, scale=0.1, mask=mask, config=config, **seg)
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"deferred epilogue, D={d}, {mask}, segments={bool(seg)}: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"deferred epilogue case D={d} computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
-          "softcap": softcap_cases}
+          "softcap": softcap_cases, "defer": defer_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
