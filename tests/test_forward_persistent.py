@@ -171,6 +171,13 @@ DEFER_CASES = [
      dict(segments=([[100, 60, 96]], [[100, 60, 96]]))),
     ("softcap-pingpong-off", 1, 200, 200, 2, 2, 64, CAUSAL_TL,
      dict(pingpong="off"), dict(softcap=5.0)),
+    # The fused step (D=256's default elsewhere): fused_first carries it.
+    ("fused", 1, 256, 300, 2, 1, 64, CAUSAL_BR, dict(fuse_pv_qk=True), {}),
+    # A window's far edge in the lower half of the first tile: a half=1 step
+    # is the peeled one.
+    ("window-half-tiles", 1, 256, 300, 2, 1, 64,
+     W(causal=True, window_left=100, alignment="bottom_right"),
+     dict(block_kv=128, half_edge_tiles=True), {}),
 ]
 
 
@@ -210,16 +217,23 @@ def test_deferred_epilogue_needs_the_separate_o_tile():
     attention_forward(q, k, v, scale=0.1, mask=NO_MASK, config=config)
 
 
-@pytest.mark.parametrize("D,mask,fields", [
-    (64, NO_MASK, dict(block_kv=256)),
-    (128, CAUSAL_BR, dict(block_kv=128, half_edge_tiles=True, reverse_q_tiles=True)),
+@pytest.mark.parametrize("D,mask,fields,opts", [
+    (64, NO_MASK, dict(block_kv=256), {}),
+    (128, CAUSAL_BR, dict(block_kv=128, half_edge_tiles=True, reverse_q_tiles=True), {}),
+    (64, CAUSAL_BR, dict(block_kv=128, fuse_pv_qk=True), {}),
+    # Tq and the sink carried through the item loop too.
+    (128, CAUSAL_BR, dict(block_kv=128),
+     dict(q_lengths=[1000, 700], kv_lengths=[1100, 64], sinks=[0.1, 0.2, 0.3, 0.4],
+          softcap=5.0, segments=([[500, 500], [1000]], [[550, 550], [1100]]))),
 ])
-def test_deferred_epilogue_lowers_for_the_gpu(D, mask, fields):
+def test_deferred_epilogue_lowers_for_the_gpu(D, mask, fields, opts):
   # The carried q offset needs pl.multiple_of for the stores' layouts (the
   # lowering failed in layout inference without it).
   q, k, v = make_qkv(jax.random.key(0), 2, 1000, 1100, 4, 2, D, jnp.bfloat16)
+  opts = _expand_opts(opts, 1000, 1100)
   config = _cfg(num_sms=132, defer_epilogue=True, **fields)
-  f = lambda q, k, v: attention_forward(q, k, v, scale=0.1, mask=mask, config=config)
+  f = lambda q, k, v: attention_forward(q, k, v, scale=0.1, mask=mask, config=config,
+                                        **opts)
   text = jax.jit(f).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 

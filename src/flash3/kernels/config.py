@@ -195,7 +195,12 @@ class ForwardConfig:
       other warpgroup waited for it). Needs ``persistent`` and the separate
       o tile (``persistent_separate_o``; checked where head_dim is known)
       and ``overlap_softmax`` off. An A/B knob for items of few key tiles
-      (short sequences, windows), off by default.
+      (short sequences, windows), off by default; not yet timed. Its costs:
+      the epilogue runs before the first K slot is freed (with 2 stages the
+      producer's refill may wait); at D=64, where the next q is issued only
+      after an item's loop, the next item waits for its q before the
+      epilogue instead of during it; a warpgroup without a key tile in an
+      item runs it at once, inside its turn.
   """
 
   block_q: int = 64

@@ -1279,8 +1279,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         pend["sink"] = jnp.float32(0)
       _, pend = lax.fori_loop(0, n_local, item, (zero, pend))
       turns.finish()
-      # The last item's epilogue (n_local >= 1).
-      finish(pend, persistent=True)
+      # The last item's epilogue. The schedule gives every CTA an item; the
+      # guard keeps a CTA without one from storing the placeholder.
+      pl.when(n_local > 0)(functools.partial(finish, pend, persistent=True))
     else:
       lax.fori_loop(0, n_local, item, jnp.int32(0))
       turns.finish()
