@@ -128,3 +128,31 @@ def test_other_pingpong_modes_take_no_one_way_turns(barrier_log, mode, persisten
                             config=ForwardConfig(block_kv=64, pingpong="handoff",
                                                  persistent=persistent, num_sms=2))
   assert jnp.array_equal(o, on)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("persistent", [False, True])
+def test_three_warpgroups_pass_the_turn_round_in_order(barrier_log, persistent):
+  """ForwardConfig(compute_warpgroups=3): warpgroup w's turn barrier is
+  arrived at only by warpgroup w - 1 (mod 3) and waited on only by w, and on
+  each one every signal is waited for before the next (S W S W ... in time:
+  two signals in a row would complete a hardware barrier without its waiter)."""
+  q = jax.random.normal(jax.random.key(1), (1, 400, 2, 64), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(2), (1, 333, 1, 64), jnp.float32).astype(jnp.bfloat16)
+  config = ForwardConfig(block_kv=64, pingpong="handoff", persistent=persistent,
+                         num_sms=2, compute_warpgroups=3, compute_registers=160,
+                         producer_registers=24)
+  o, _ = attention_forward(q, k, k, scale=0.125, mask=CBR, interpret=True, config=config)
+  o.block_until_ready()
+  arrivers, waiters = collections.defaultdict(set), collections.defaultdict(set)
+  for b, op, t in barrier_log:
+    if t is not None:
+      (arrivers if op == "S" else waiters)[b].add(t[1])
+  turn = [b for b in arrivers if len(arrivers[b]) == 1 and arrivers[b] <= {0, 1, 2}
+          and waiters[b] == {(min(arrivers[b]) + 1) % 3}]
+  # 400 rows in 3 CTAs of 192, times 2 heads; or 2 persistent CTAs.
+  ctas = 2 if persistent else 6
+  assert len(turn) == 3 * ctas, (len(turn), ctas)
+  for b in turn:
+    ops = "".join(op for bb, op, t in barrier_log if bb == b and t is not None)
+    assert ops == "SW" * (len(ops) // 2) and ops, (b, ops)

@@ -39,13 +39,16 @@ SMEM_LIMIT_BYTES = 227 * 1024
 # that scratch). tests/test_forward_kernel.py checks the estimate bounds
 # Mosaic's own count.
 SMEM_RESERVED_BYTES = 1024
-# The forward runs two compute warpgroups, each on its own tile of block_q rows.
+# The forward runs two compute warpgroups by default (``ForwardConfig.
+# compute_warpgroups``), each on its own tile of block_q rows.
 NUM_COMPUTE_WARPGROUPS = 2
+COMPUTE_WARPGROUP_COUNTS = (2, 3)
 # ForwardConfig.lazy_rescale: how far (log2 units) a tile's scores may exceed
 # a row's reference maximum before the row is rescaled (FlashAttention-4's
 # value: P <= 2**8).
 RESCALE_THRESHOLD = 8.0
-# Ring depth the forward's named barriers allow (two per slot, kernels/sync.py).
+# Ring depth the forward's named barriers allow (two per slot, kernels/sync.py)
+# with two compute warpgroups; ``sync.max_ring_slots`` for other counts.
 MAX_NAMED_STAGES = sync.MAX_RING_SLOTS
 
 
@@ -58,20 +61,23 @@ def check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
         f"in [{lo}, {hi}]")
 
 
-def check_registers(compute: int, producer: int) -> None:
+def check_registers(compute: int, producer: int,
+                    compute_warpgroups: int = NUM_COMPUTE_WARPGROUPS) -> None:
   """Raises ValueError unless (compute, producer) is a valid setmaxnreg split
-  for two compute warpgroups and one producer warpgroup of 128 threads."""
+  for ``compute_warpgroups`` compute warpgroups and one producer warpgroup of
+  128 threads."""
   check_multiple("compute_registers", compute, 8, 24, 256)
   check_multiple("producer_registers", producer, 8, 24, 256)
   if producer > compute:
     raise ValueError(
         f"producer_registers={producer} exceeds compute_registers={compute}: "
         "setmaxnreg raises the compute warpgroups' count and lowers the producer's")
-  total = 128 * (NUM_COMPUTE_WARPGROUPS * compute + producer)
+  total = 128 * (compute_warpgroups * compute + producer)
   if total > 65536:
     raise ValueError(
         f"compute_registers={compute} with producer_registers={producer} needs "
-        f"{total} registers per CTA; at most 65536 are allowed")
+        f"{total} registers per CTA with {compute_warpgroups} compute "
+        "warpgroups; at most 65536 are allowed")
 
 
 def check_bool(name: str, value) -> None:
@@ -95,7 +101,8 @@ class ForwardConfig:
   """Static tuning of the forward kernel.
 
   Attributes:
-    block_q: query rows per compute warpgroup (a CTA covers 2 * block_q rows).
+    block_q: query rows per compute warpgroup (a CTA covers
+      ``compute_warpgroups * block_q`` rows).
       Must be 64 (one wgmma M tile; 128 rows would not leave registers for a
       128-wide accumulator).
     block_kv: keys per K/V tile: a multiple of 64 in [64, 256].
@@ -113,6 +120,16 @@ class ForwardConfig:
       item's documents on the device); the
       K/V ring streams on across items, so the producer loads the next item's
       tiles while the compute warpgroups finish the current one.
+    compute_warpgroups: 2 (default) or 3 compute warpgroups per CTA, each on
+      its own ``block_q`` rows, sharing every K/V tile (FlashAttention-3's
+      head_dim 64 kernel runs three, 192 query rows per CTA). With three the
+      turns go round all three (``pingpong`` "handoff" or "off"; "meeting"
+      is for two), so two warpgroups' softmax can run while one's matmuls
+      do, and each K/V tile is read from memory for 192 rows instead of 128;
+      the register file then allows at most 160 registers per compute
+      thread beside a producer of 24 (``compute_registers``, which must be
+      given: the default 232 does not fit), so score tiles of 128 keys.
+      An A/B knob, not yet timed on a GPU.
     num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
       ignored unless ``persistent``.
     overlap_softmax: overlap each tile's softmax with the previous tile's
@@ -221,6 +238,7 @@ class ForwardConfig:
   fuse_pv_qk: bool = False
   schedule_rounds: int = LOCALITY_ROUNDS
   defer_epilogue: bool = False
+  compute_warpgroups: int = NUM_COMPUTE_WARPGROUPS
 
   def __post_init__(self):
     if self.block_q != 64:
@@ -241,7 +259,17 @@ class ForwardConfig:
       raise ValueError(f"overlap_softmax=True needs num_stages >= 2; got "
                        f"num_stages={self.num_stages}")
     check_multiple("num_sms", self.num_sms, 1, 1, 4096)
-    check_registers(self.compute_registers, self.producer_registers)
+    if (type(self.compute_warpgroups) is not int
+        or self.compute_warpgroups not in COMPUTE_WARPGROUP_COUNTS):
+      raise ValueError(f"compute_warpgroups={self.compute_warpgroups!r} is not one "
+                       f"of {COMPUTE_WARPGROUP_COUNTS}")
+    if self.compute_warpgroups != 2 and self.pingpong == "meeting":
+      raise ValueError(
+          f"compute_warpgroups={self.compute_warpgroups} needs pingpong "
+          "'handoff' or 'off' (a meeting is for two warpgroups); got "
+          f"pingpong={self.pingpong!r}")
+    check_registers(self.compute_registers, self.producer_registers,
+                    self.compute_warpgroups)
     check_bool("half_edge_tiles", self.half_edge_tiles)
     check_bool("lazy_rescale", self.lazy_rescale)
     check_bool("scale_first", self.scale_first)
@@ -269,7 +297,7 @@ def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
                        interpret: bool = False) -> int:
   """Shared memory one CTA of the forward kernel needs, in bytes."""
   stages = config.num_stages if num_stages is None else num_stages
-  n = NUM_COMPUTE_WARPGROUPS
+  n = config.compute_warpgroups
   total = n * config.block_q * head_dim * itemsize
   total += 2 * stages * config.block_kv * head_dim * itemsize
   total += n * config.block_q * 4
@@ -287,7 +315,7 @@ def persistent_separate_o(config: ForwardConfig, head_dim: int, itemsize: int,
   QK^T is done, before its epilogue; without it, o is staged in the q tile
   and the next q loads only after the store has read it.
   """
-  o_bytes = NUM_COMPUTE_WARPGROUPS * config.block_q * head_dim * itemsize
+  o_bytes = config.compute_warpgroups * config.block_q * head_dim * itemsize
   return (forward_smem_bytes(config, head_dim, itemsize, num_stages=num_stages,
                              interpret=interpret) + o_bytes <= SMEM_LIMIT_BYTES)
 

@@ -26,7 +26,9 @@ GPU both run on hardware named barriers (``bar.arrive`` / ``bar.sync``,
 mbarriers with the same arrivals and waits (H200 A/B of the two, seventh
 session: docs/benchmarks/h200/2026-12-01-s7/tune.md).
 
-One CTA covers ``2 * block_q`` query rows of one (batch, head); compute
+One CTA covers ``2 * block_q`` query rows of one (batch, head) (``3 *
+block_q`` with ``ForwardConfig.compute_warpgroups=3``, FlashAttention-3's
+head_dim 64 layout, whose turns go round the three); compute
 warpgroup ``w`` owns rows ``[q0 + w * block_q, q0 + (w + 1) * block_q)``. The
 CTA visits the key tiles that some of its rows can see
 (``MaskSpec.key_range``); the producer streams exactly those. A warpgroup
@@ -109,7 +111,7 @@ import numpy as np
 
 from flash3 import _device
 from flash3.kernels import common, end_tiles, exp2, schedule, sync, tile_mask
-from flash3.kernels.config import (MAX_NAMED_STAGES, NUM_COMPUTE_WARPGROUPS,
+from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS,
                                    RESCALE_THRESHOLD, ForwardConfig,
                                    check_fits, forward_config,
                                    persistent_separate_o)
@@ -168,6 +170,7 @@ def unsupported_reason(q_shape, kv_shape, dtype, mask: MaskSpec) -> str | None:
     return f"mask must be a flash3.visibility.MaskSpec, got {type(mask).__name__}"
   if B > MAX_GRID_YZ:
     return f"batch {B} exceeds the CUDA grid limit {MAX_GRID_YZ}"
+  # (Checked for two compute warpgroups: three make fewer query tiles.)
   if -(-Tq // (NUM_COMPUTE_WARPGROUPS * 64)) > MAX_GRID_YZ:
     return f"Tq {Tq} needs more than {MAX_GRID_YZ} query tiles"
   return None
@@ -407,7 +410,8 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
   dtype = q.dtype
   block_q, block_kv = config.block_q, config.block_kv
   stages = _num_stages(config, Tk)
-  cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
+  nwg = config.compute_warpgroups
+  cta_rows = nwg * block_q
   num_q_ctas = -(-Tq // cta_rows)
   # lse rows are padded to whole CTAs: TMA needs 16-byte row strides.
   lse_len = num_q_ctas * cta_rows
@@ -416,7 +420,7 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
   # More ring slots than hardware barriers: the releases (and turns) stay
   # on mbarriers (ForwardConfig.named_barriers).
   named = (config.named_barriers and not staging
-           and stages <= MAX_NAMED_STAGES)
+           and stages <= sync.max_ring_slots(nwg))
 
   body = functools.partial(
       _kernel_body, Tq=Tq, Tk=Tk, heads_per_kv=N // K, scale=scale, mask=mask,
@@ -432,19 +436,19 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
     num_kv_tiles = -(-Tk // block_kv)
     ranges = _segment_tile_ranges(
         q_ids, kv_ids, block_q=block_q, block_kv=block_kv,
-        num_q_tiles=num_q_ctas * NUM_COMPUTE_WARPGROUPS,
+        num_q_tiles=num_q_ctas * nwg,
         num_kv_tiles=num_kv_tiles)
     # In-kernel loads read whole tiles: pad the ids (values there are masked).
     q_ids = jnp.pad(q_ids, ((0, 0), (0, lse_len - Tq)))
     kv_ids = jnp.pad(kv_ids, ((0, 0), (0, num_kv_tiles * block_kv - Tk)))
     extra_inputs += (q_ids, kv_ids, ranges)
   scratch = dict(
-      qo=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
+      qo=plgpu.SMEM((nwg, block_q, D), dtype,
                     transforms=transforms),
       k=plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
       v=plgpu.SMEM((stages, block_kv, D), dtype, transforms=transforms),
-      lse=plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q), jnp.float32),
-      q_loaded=plgpu.Barrier(num_barriers=NUM_COMPUTE_WARPGROUPS),
+      lse=plgpu.SMEM((nwg, block_q), jnp.float32),
+      q_loaded=plgpu.Barrier(num_barriers=nwg),
       k_loaded=plgpu.Barrier(num_barriers=stages),
       v_loaded=plgpu.Barrier(num_barriers=stages),
   )
@@ -453,20 +457,18 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
     # releases and the ping-pong: one per warpgroup's turn, or one meeting
     # point (sync.py).
     scratch.update(
-        k_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
-                             num_barriers=stages),
-        v_free=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS,
-                             num_barriers=stages))
-    turn_barrier = sync.TURN_MBARRIERS[config.pingpong]
+        k_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages))
+    turn_barrier = sync.turn_mbarriers(config.pingpong, nwg)
     if turn_barrier is not None:
       scratch["turns"] = plgpu.Barrier(**turn_barrier)
   if config.persistent and separate_o:
-    scratch["o"] = plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, block_q, D), dtype,
+    scratch["o"] = plgpu.SMEM((nwg, block_q, D), dtype,
                               transforms=transforms)
   if staging or config.overlap_softmax:
     # P goes to P @ V through shared memory (always in interpret mode).
     scratch["p"] = plgpu.SMEM(
-        (NUM_COMPUTE_WARPGROUPS, block_q, block_kv), dtype,
+        (nwg, block_q, block_kv), dtype,
         transforms=common.smem_swizzle_transforms(block_kv, dtype.itemsize))
   if config.persistent:
     # One CTA per SM (at most one per work item), each looping over the items
@@ -479,7 +481,7 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
           ranges, schedule.cta_tile_ranges(mask, q_len=Tq, kv_len=Tk,
                                            cta_rows=cta_rows, block_kv=block_kv),
           num_heads=N, reverse_q_tiles=config.reverse_q_tiles, num_ctas=num_ctas,
-          rounds=config.schedule_rounds)
+          rounds=config.schedule_rounds, warpgroups=nwg)
     else:
       costs = schedule.item_costs(
           mask, q_len=Tq, kv_len=Tk, num_heads=N, batch=B, cta_rows=cta_rows,
@@ -503,7 +505,7 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
                 jax.ShapeDtypeStruct((B, N, lse_len), jnp.float32)),
       grid=grid,
       grid_names=grid_names,
-      num_threads=NUM_COMPUTE_WARPGROUPS + 1,
+      num_threads=nwg + 1,
       thread_name=common.WG_AXIS,
       # No cross-warp reduction scratch: the kernel reduces only along rows,
       # within a warp (checked in tests/test_forward_kernel.py), and the 2 KB
@@ -579,14 +581,16 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   sink_ref = extra_refs.pop(0) if has_sinks else None
   seg_refs = tuple(extra_refs) if has_segments else None
   static_lengths = (Tq, Tk)
-  cta_rows = NUM_COMPUTE_WARPGROUPS * block_q
+  nwg = config.compute_warpgroups
+  cta_rows = nwg * block_q
   # Ping-pong turns and ring releases (sync.py): named barriers on the GPU
-  # (ids: the two turns, then k's slots, then v's), mbarriers when interpreted.
-  turns = sync.TURNS[config.pingpong](wg, None if named else smem.get("turns"))
+  # (ids: one turn per compute warpgroup, then k's slots, then v's),
+  # mbarriers when interpreted.
+  turns = sync.TURNS[config.pingpong](wg, None if named else smem.get("turns"),
+                                      first_id=sync.first_turn_id(nwg), num=nwg)
   release = {
-      name: sync.Release(NUM_COMPUTE_WARPGROUPS,
-                         None if named else smem[f"{name}_free"], first_id=first)
-      for name, first in zip(("k", "v"), sync.release_first_ids(stages))}
+      name: sync.Release(nwg, None if named else smem[f"{name}_free"], first_id=first)
+      for name, first in zip(("k", "v"), sync.release_first_ids(stages, nwg))}
 
   score_scale = scale * common.LOG2_E
   reduced = plgpu.Layout.WGMMA.reduce(1)
@@ -618,17 +622,19 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     shift = mask.shift(Tq, Tk)
     cta_q_lo = q_cta * cta_rows
     cta_q_hi = jnp.minimum(cta_q_lo + cta_rows, Tq)
-    # The key tiles this CTA streams; both compute warpgroups step through all of them.
+    # The key tiles this CTA streams; every compute warpgroup steps through all of them.
     t_lo, t_hi = _tile_ranges(mask, cta_q_lo, cta_q_hi, shift, Tk, block_kv)
     if has_segments:
       seg_ref = seg_refs[2]
-      # Only the key tiles the CTA's documents touch (the union over its two
+      # Only the key tiles the CTA's documents touch (the union over its
       # warpgroups' query tiles).
-      tile0 = q_cta * NUM_COMPUTE_WARPGROUPS
-      t_lo = jnp.maximum(t_lo, jnp.minimum(seg_ref[batch, tile0, 0],
-                                           seg_ref[batch, tile0 + 1, 0]))
-      t_hi = jnp.minimum(t_hi, jnp.maximum(seg_ref[batch, tile0, 1],
-                                           seg_ref[batch, tile0 + 1, 1]))
+      tile0 = q_cta * nwg
+      seg_lo = functools.reduce(jnp.minimum, [seg_ref[batch, tile0 + w, 0]
+                                              for w in range(nwg)])
+      seg_hi = functools.reduce(jnp.maximum, [seg_ref[batch, tile0 + w, 1]
+                                              for w in range(nwg)])
+      t_lo = jnp.maximum(t_lo, seg_lo)
+      t_hi = jnp.minimum(t_hi, seg_hi)
     t_hi = jnp.maximum(t_hi, t_lo)
     return dict(head=head, q_cta=q_cta, batch=batch, kv_head=kv_head, Tq=Tq,
                 Tk=Tk, sink=sink, shift=shift, cta_q_lo=cta_q_lo, t_lo=t_lo,
@@ -735,7 +741,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # This warpgroup's own tiles, clamped into the CTA's.
     w_lo, w_hi = _tile_ranges(mask, q_lo, q_hi, shift, Tk, block_kv)
     if has_segments:
-      my_tile = it["q_cta"] * NUM_COMPUTE_WARPGROUPS + wg
+      my_tile = it["q_cta"] * nwg + wg
       w_lo = jnp.maximum(w_lo, seg_ref[batch, my_tile, 0])
       w_hi = jnp.minimum(w_hi, seg_ref[batch, my_tile, 1])
     w_lo = jnp.clip(w_lo, t_lo, t_hi)
@@ -1201,14 +1207,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     it = setup(head, q_cta, batch)
     slot_of = slot_fn(it, None)
 
-    @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
+    @pl.when(wg < nwg)
     def _compute():
       plgpu.set_max_registers(config.compute_registers, action="increase")
       turns.start()
       compute_item(it, slot_of, load_q=True)
       turns.finish()
 
-    @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
+    @pl.when(wg == nwg)
     def _producer():
       plgpu.set_max_registers(config.producer_registers, action="decrease")
       produce_item(it, slot_of, None)
@@ -1232,7 +1238,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
   def item_index(step):
     return schedule_ref[cta, 1 + step]
 
-  @pl.when(wg < NUM_COMPUTE_WARPGROUPS)
+  @pl.when(wg < nwg)
   def _compute_persistent():
     plgpu.set_max_registers(config.compute_registers, action="increase")
 
@@ -1287,7 +1293,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       turns.finish()
     common.wait_final_stores()
 
-  @pl.when(wg == NUM_COMPUTE_WARPGROUPS)
+  @pl.when(wg == nwg)
   def _producer_persistent():
     plgpu.set_max_registers(config.producer_registers, action="decrease")
 

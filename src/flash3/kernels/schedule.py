@@ -93,18 +93,20 @@ def item_costs(mask: MaskSpec, *, q_len: int, kv_len: int, num_heads: int,
 
 def segment_schedule(tile_ranges, mask_ranges: np.ndarray, *, num_heads: int,
                      reverse_q_tiles: bool, num_ctas: int,
-                     rounds: int = LOCALITY_ROUNDS):
+                     rounds: int = LOCALITY_ROUNDS, warpgroups: int = 2):
   """``lpt_schedule``'s table for packed rows, built on the device (jnp).
 
   Args:
-    tile_ranges: int32 (B, 2 * num_q_ctas, >= 2): per warpgroup query tile,
-      the key tiles ``[lo, hi)`` its documents touch (column 0 and 1 of
-      ``forward._segment_tile_ranges``); a CTA streams the union of its two.
+    tile_ranges: int32 (B, warpgroups * num_q_ctas, >= 2): per warpgroup
+      query tile, the key tiles ``[lo, hi)`` its documents touch (column 0
+      and 1 of ``forward._segment_tile_ranges``); a CTA streams the union
+      of its ``warpgroups`` tiles.
     mask_ranges: ``cta_tile_ranges`` for the same shapes (the mask's bound).
     num_heads, reverse_q_tiles: as the kernel numbers its items.
     num_ctas: 1 <= num_ctas <= the item count.
     rounds: chunk length in rounds of ``num_ctas`` items (see the module
       docstring; 0: one chunk).
+    warpgroups: compute warpgroups per CTA (``ForwardConfig.compute_warpgroups``).
 
   Within each chunk of the grid's order, items are sorted by decreasing cost
   (key tiles plus ITEM_OVERHEAD_TILES; equal costs keep the grid's order);
@@ -119,7 +121,8 @@ def segment_schedule(tile_ranges, mask_ranges: np.ndarray, *, num_heads: int,
   num_items = batch * num_q_ctas * num_heads
   if not 1 <= num_ctas <= num_items:
     raise ValueError(f"num_ctas={num_ctas} must be in [1, {num_items}] (the items)")
-  pairs = tile_ranges[:, :2 * num_q_ctas, :2].reshape(batch, num_q_ctas, 2, 2)
+  pairs = tile_ranges[:, :warpgroups * num_q_ctas, :2].reshape(
+      batch, num_q_ctas, warpgroups, 2)
   lo = jnp.maximum(pairs[..., 0].min(-1), jnp.asarray(mask_ranges[:, 0], jnp.int32))
   hi = jnp.minimum(pairs[..., 1].max(-1), jnp.asarray(mask_ranges[:, 1], jnp.int32))
   cost = jnp.maximum(hi - lo, 0) + ITEM_OVERHEAD_TILES  # (B, num_q_ctas)

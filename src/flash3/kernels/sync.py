@@ -22,30 +22,47 @@ wait pattern; tests/test_forward_sync.py checks the pattern in each
 warpgroup's program order (the interpreter's own phase checks catch a
 double signal only when the threads happen to interleave badly).
 
-Barrier ids: Mosaic GPU uses id 0 (``gpu.barrier``) and ids 1..3 (one per
-warpgroup, ``utils.warpgroup_barrier``), so ours start at ``FIRST_ID``.
+Barrier ids: Mosaic GPU uses id 0 (``gpu.barrier``) and ids 1..W (one per
+warpgroup, ``utils.warpgroup_barrier``; W = 3 with two compute warpgroups
+and the producer, 4 with three), so ours start at ``first_turn_id(...)``:
+the turns (one id per compute warpgroup), then the ring's releases.
 """
 
 from __future__ import annotations
 
+from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 
 WARPGROUP_THREADS = 128
-# Mosaic GPU's warpgroup barriers are ids 1..(warpgroups), for our kernels'
-# three warpgroups 1..3.
+# Mosaic GPU's warpgroup barriers are ids 1..(warpgroups), for two compute
+# warpgroups and the producer 1..3.
 FIRST_ID = 4
 NUM_IDS = 16  # Hardware named barriers per CTA on sm90.
-TURN_IDS = 2  # PingPong's: ids FIRST_ID, FIRST_ID + 1.
+TURN_IDS = 2  # PingPong's with two compute warpgroups: ids FIRST_ID, FIRST_ID + 1.
 # Then the ring's releases: k's slots, then v's (two ids per slot).
 MAX_RING_SLOTS = (NUM_IDS - FIRST_ID - TURN_IDS) // 2
 
 
-def release_first_ids(slots: int) -> tuple[int, int]:
+def first_turn_id(compute_warpgroups: int = 2) -> int:
+  """The first id free of Mosaic GPU's: 1 (``gpu.barrier``'s 0) plus one per
+  warpgroup, the producer included."""
+  return compute_warpgroups + 2
+
+
+def max_ring_slots(compute_warpgroups: int = 2) -> int:
+  """Ring slots whose releases fit in the named barriers left after the
+  turns (one id per compute warpgroup), two ids per slot: 5 with two
+  compute warpgroups, 4 with three."""
+  first = first_turn_id(compute_warpgroups) + compute_warpgroups
+  return (NUM_IDS - first) // 2
+
+
+def release_first_ids(slots: int, compute_warpgroups: int = 2) -> tuple[int, int]:
   """The first named-barrier id of k's and of v's ``slots`` release barriers."""
-  first = FIRST_ID + TURN_IDS
+  first = first_turn_id(compute_warpgroups) + compute_warpgroups
   return first, first + slots
 
 
@@ -73,47 +90,54 @@ class PingPong:
   """The compute warpgroups' turns on the tensor cores (FA3 section 3.1).
 
   Per step each warpgroup calls ``signal()`` once (after issuing its
-  matmuls) and ``wait()`` once (before issuing the next ones). Warpgroup 1
-  starts with one extra ``wait()`` (``start``) and warpgroup 0 ends with one
-  extra ``signal()`` (``finish``), once per CTA (not per item of the
-  persistent kernel), so every signal is waited for before the next one on
-  the same barrier: a hardware barrier counts arrivals, and two signals in a
-  row would complete it without the waiter.
+  matmuls) and ``wait()`` once (before issuing the next ones). The turn
+  goes round the warpgroups in order, 0, 1, ..., n - 1, 0, ...: with two the
+  ping-pong, with three FlashAttention-3's round robin for head_dim 64 (two
+  warpgroups' softmax may then overlap one's matmuls). Every warpgroup but
+  0 starts with one extra ``wait()`` (``start``) and every one but the last
+  ends with one extra ``signal()`` (``finish``), once per CTA (not per item
+  of the persistent kernel), so every signal is waited for before the next
+  one on the same barrier: a hardware barrier counts arrivals, and two
+  signals in a row would complete it without the waiter.
 
   Args:
-    wg: this warpgroup's index (0 or 1), traced.
-    mbarriers: interpret mode: ``plgpu.Barrier(num_barriers=2)`` (one
+    wg: this warpgroup's index (0 .. num - 1), traced.
+    mbarriers: interpret mode: ``plgpu.Barrier(num_barriers=num)`` (one
       warpgroup's arrivals each); None on the GPU, which uses named barriers
-      ``first_id`` (warpgroup 0's turn) and ``first_id + 1``.
+      ``first_id + w`` for warpgroup w's turn.
+    num: compute warpgroups taking turns (2 or 3).
   """
 
-  def __init__(self, wg, mbarriers=None, first_id: int = FIRST_ID):
+  def __init__(self, wg, mbarriers=None, first_id: int = FIRST_ID, num: int = 2):
     self.wg = wg
     self.mbarriers = mbarriers
     self.first_id = first_id
+    self.num = num
 
   def signal(self) -> None:
-    """Hands the tensor cores to the other warpgroup."""
-    other = 1 - self.wg
+    """Hands the tensor cores to the next warpgroup."""
+    nxt = 1 - self.wg if self.num == 2 else lax.rem(self.wg + 1, self.num)
     if self.mbarriers is not None:
-      plgpu.barrier_arrive(self.mbarriers.at[other])
+      plgpu.barrier_arrive(self.mbarriers.at[nxt])
     else:
-      named_arrive(self.first_id + other, 2 * WARPGROUP_THREADS)
+      named_arrive(self.first_id + nxt, 2 * WARPGROUP_THREADS)
 
   def wait(self) -> None:
-    """Waits until the other warpgroup hands the tensor cores back."""
+    """Waits until the previous warpgroup hands the tensor cores on."""
     if self.mbarriers is not None:
       plgpu.barrier_wait(self.mbarriers.at[self.wg])
     else:
       named_sync(self.first_id + self.wg, 2 * WARPGROUP_THREADS)
 
   def start(self) -> None:
-    """Warpgroup 1 lets warpgroup 0 go first."""
-    pl.when(self.wg == 1)(self.wait)
+    """Warpgroup 0 goes first; each other one waits for its predecessor."""
+    # (With two, the comparison the kernels compiled to before three existed:
+    # their SASS stays byte for byte what was timed.)
+    pl.when(self.wg == 1 if self.num == 2 else self.wg != 0)(self.wait)
 
   def finish(self) -> None:
-    """Warpgroup 0 answers warpgroup 1's last wait."""
-    pl.when(self.wg == 0)(self.signal)
+    """Each warpgroup but the last answers its successor's last wait."""
+    pl.when(self.wg == 0 if self.num == 2 else self.wg != self.num - 1)(self.signal)
 
 
 class Meeting(PingPong):
@@ -125,6 +149,7 @@ class Meeting(PingPong):
 
   ``mbarriers``: interpret mode: ``plgpu.Barrier(num_arrivals=2)``, one
   meeting point; None on the GPU, which uses named barrier ``first_id``.
+  Two warpgroups only (``ForwardConfig`` checks it).
   """
 
   def signal(self) -> None:
@@ -140,8 +165,8 @@ class Meeting(PingPong):
 class NoTurns:
   """``PingPong``'s interface with no turns (``ForwardConfig(pingpong="off")``)."""
 
-  def __init__(self, wg=None, mbarriers=None):
-    del wg, mbarriers
+  def __init__(self, wg=None, mbarriers=None, first_id=None, num=None):
+    del wg, mbarriers, first_id, num
 
   def signal(self) -> None:
     pass
@@ -149,11 +174,15 @@ class NoTurns:
   wait = start = finish = signal
 
 
-# ForwardConfig.pingpong -> the class, and the interpret-mode mbarrier it
-# needs (``plgpu.Barrier`` arguments; None: none).
+# ForwardConfig.pingpong -> the class.
 TURNS = {"handoff": PingPong, "meeting": Meeting, "off": NoTurns}
-TURN_MBARRIERS = {"handoff": dict(num_barriers=2), "meeting": dict(num_arrivals=2),
-                  "off": None}
+
+
+def turn_mbarriers(pingpong: str, compute_warpgroups: int = 2) -> dict | None:
+  """The interpret-mode mbarrier the turns need (``plgpu.Barrier``
+  arguments; None: none)."""
+  return {"handoff": dict(num_barriers=compute_warpgroups),
+          "meeting": dict(num_arrivals=2), "off": None}[pingpong]
 
 
 class Release:
