@@ -181,6 +181,18 @@ def _vary_candidates(what, D, T, causal, window, vary, docs=None):
   return out
 
 
+def _variant_candidates(what, D, T, causal, window, vary, variants, docs=None):
+  """``_vary_candidates`` (the default alone when ``vary`` is empty), then one
+  candidate per ``variants`` entry ({field: [value]}: the default with all
+  those fields set together), each once."""
+  out = _vary_candidates(what, D, T, causal, window, vary, docs)
+  for fields in variants:
+    for c in _vary_candidates(what, D, T, causal, window, fields, docs):
+      if c not in out:
+        out.append(c)
+  return out
+
+
 def _parse_vary(items, what="fwd"):
   """["named_barriers=0,1", "num_stages=2,3", "pingpong=handoff,off"] ->
   {field: [values]} (ints; 0 / 1 become bools for bool fields; strings for
@@ -377,6 +389,13 @@ def main():
   ap.add_argument("--vary", nargs="+", default=None,
                   help="instead of a sweep: the default config of each shape "
                        "with these fields varied, e.g. named_barriers=0,1")
+  ap.add_argument("--variant", nargs="+", action="append", default=None,
+                  metavar="FIELD=VALUE",
+                  help="one more candidate beside the default config (or the --vary "
+                       "ones): the default with all these fields set together, e.g. "
+                       "--variant compute_warpgroups=3 compute_registers=160 "
+                       "producer_registers=24 block_kv=128 pingpong=handoff; repeat "
+                       "--variant for more")
   ap.add_argument("--jobs", type=int, default=8)
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--time-budget", type=float, default=300)
@@ -390,10 +409,14 @@ def main():
   start = time.time()
   tasks = []
   vary = _parse_vary(args.vary, args.what) if args.vary else None
+  variants = [_parse_vary(v, args.what) for v in args.variant or []]
+  for fields in variants:
+    if any(len(vals) != 1 for vals in fields.values()):
+      ap.error(f"--variant {fields}: one value per field (--vary takes lists)")
   for D, T, causal in itertools.product(args.D, args.T, args.causal):
-    if vary is not None:
-      cands = _vary_candidates(args.what, D, T, bool(causal), args.window, vary,
-                               args.docs)
+    if vary is not None or variants:
+      cands = _variant_candidates(args.what, D, T, bool(causal), args.window,
+                                  vary or {}, variants, args.docs)
     elif args.what == "fwd":
       cands = _fwd_candidates(D, bool(causal), tuple(args.persistent), args.num_sms,
                               tuple(args.block_kv), tuple(args.stages),

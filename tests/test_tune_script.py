@@ -57,6 +57,23 @@ def test_tune_vary_applies_fields_to_the_default_config():
                           num_stages=2)]
 
 
+def test_tune_variant_is_the_default_plus_fields_set_together():
+  # --variant: the default, then the default with a set of fields changed at
+  # once (three compute warpgroups need their own registers and ping-pong).
+  tune = _tune_module()
+  fields = tune._parse_vary(["compute_warpgroups=3", "compute_registers=160",
+                             "producer_registers=24", "block_kv=128",
+                             "pingpong=handoff"])
+  cands = tune._variant_candidates("fwd", 64, 16384, False, None, {}, [fields])
+  base = default_config(64, "bfloat16", MaskSpec(), 16384, 16384)
+  assert cands == [base, dataclasses.replace(
+      base, compute_warpgroups=3, compute_registers=160, producer_registers=24,
+      block_kv=128, pingpong="handoff")]
+  # A variant equal to the default is not measured twice.
+  same = tune._parse_vary([f"block_kv={base.block_kv}"])
+  assert tune._variant_candidates("fwd", 64, 16384, False, None, {}, [same]) == [base]
+
+
 def test_tune_vary_rejects_unknown_fields():
   tune = _tune_module()
   with pytest.raises(SystemExit, match="no_such_field"):
