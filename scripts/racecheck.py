@@ -19,7 +19,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only fused`` the forward with P @ V and the next Q K^T issued together;
 ``--only overlap`` the overlapped softmax in the persistent kernel at D = 128;
 ``--only softcap`` the backward's folded soft cap on its GPU-only paths;
-``--only defer`` the persistent forward's deferred epilogue.
+``--only defer`` the persistent forward's deferred epilogue;
+``--only warpgroups`` the forward with three compute warpgroups.
 """
 import argparse
 import sys
@@ -235,10 +236,37 @@ def defer_cases():
       raise SystemExit(f"deferred epilogue case D={d} computed nothing or non-finite values")
 
 
+def warpgroups_cases():
+  """The forward with three compute warpgroups (``ForwardConfig.
+  compute_warpgroups=3``, 192 query rows per CTA, the turns round all three):
+  the grid kernel without a mask (a CTA whose third warpgroup has no row),
+  and the persistent kernel causal with half edge tiles and with the
+  deferred epilogue."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  three = dict(compute_warpgroups=3, compute_registers=160, producer_registers=24,
+               pingpong="handoff", block_kv=128)
+  causal = MaskSpec(causal=True, alignment="bottom_right")
+  cases = [(300, MaskSpec(), dict()),
+           (400, causal, dict(persistent=True, num_sms=2, half_edge_tiles=True,
+                              reverse_q_tiles=True)),
+           (400, causal, dict(persistent=True, num_sms=2, defer_epilogue=True))]
+  for t, mask, fields in cases:
+    q, k = (jax.random.normal(jax.random.key(i), (1, t, 2, 64), jnp.bfloat16)
+            for i in (51, 52))
+    config = ForwardConfig(**three, **fields)
+    o, _ = attention_forward(q, k, k, scale=0.1, mask=mask, config=config)
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"three warpgroups, T={t}, {mask}, {fields}: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"three-warpgroup case T={t} computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
-          "softcap": softcap_cases, "defer": defer_cases}
+          "softcap": softcap_cases, "defer": defer_cases,
+          "warpgroups": warpgroups_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
