@@ -92,6 +92,10 @@ CASES = [
     ("fused", 1, 256, 300, 2, 1, 64, CAUSAL_BR, dict(fuse_pv_qk=True), {}),
     ("turns-off-d128", 1, 200, 256, 2, 1, 128, NO_MASK,
      dict(block_kv=128, pingpong="off"), {}),
+    # One query and one key, 7 query heads per kv head: two idle warpgroups.
+    ("tiny-gqa7", 1, 1, 1, 7, 1, 64, CAUSAL_BR, dict(persistent=True, num_sms=3), {}),
+    # head_dim 96 runs padded to 128.
+    ("d96-ragged", 1, 130, 77, 2, 1, 96, CAUSAL_TL, dict(block_kv=64), {}),
 ]
 
 
