@@ -90,6 +90,8 @@ CASES = [
     ("defer", 1, 256, 300, 2, 1, 64, CAUSAL_BR,
      dict(persistent=True, num_sms=2, defer_epilogue=True), {}),
     ("fused", 1, 256, 300, 2, 1, 64, CAUSAL_BR, dict(fuse_pv_qk=True), {}),
+    ("persistent-overlap", 1, 300, 260, 2, 1, 64, CAUSAL_BR,
+     dict(persistent=True, num_sms=2, overlap_softmax=True), {}),
     ("turns-off-d128", 1, 200, 256, 2, 1, 128, NO_MASK,
      dict(block_kv=128, pingpong="off"), {}),
     # One query and one key, 7 query heads per kv head: two idle warpgroups.
