@@ -207,7 +207,7 @@ def test_heuristic_always_fits_shared_memory(mask, dtype):
 
 @pytest.mark.parametrize("d_pad,mask,kv_len,wide", [
     (64, NO_MASK, 16384, True),      # 64 x 256 score tiles, 3 stages
-    (64, CAUSAL_BR, 16384, False),   # 256-key tiles, but persistent: not swept with 240
+    (64, CAUSAL_BR, 1024, False),    # 256-key tiles, but persistent: not swept with 240
     (64, NO_MASK, 2048, False),      # persistent: not swept with 240
     (128, NO_MASK, 16384, False),
     (256, NO_MASK, 16384, False),    # 1% slower with 240 in the benchmark
@@ -218,6 +218,23 @@ def test_heuristic_registers(d_pad, mask, kv_len, wide):
   config = forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len)
   assert (config.compute_registers, config.producer_registers) == (
       (240, 24) if wide else (232, 40))
+
+
+@pytest.mark.parametrize("d_pad,mask,kv_len,packed,three", [
+    (64, CAUSAL_BR, 2048, False, True), (64, CAUSAL_BR, 16384, False, True),
+    (64, CAUSAL_BR, 1024, False, False),   # 4-13% slower below 2048 keys
+    (64, NO_MASK, 16384, False, False),    # -2% to +1%: not taken
+    (64, CAUSAL_BR, 16384, True, False),   # packed rows: the grid kernel, unmeasured
+    (64, MaskSpec(causal=True, window_left=1024), 16384, False, False),  # unmeasured
+    (128, CAUSAL_BR, 16384, False, False)])  # slower everywhere at D=128
+def test_heuristic_three_warpgroups(d_pad, mask, kv_len, packed, three):
+  # The twenty-ninth session's H200 A/B (docs/benchmarks/h200/2026-12-06-s29/).
+  config = forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len, packed=packed)
+  assert (config.compute_warpgroups == 3) == three
+  if three:
+    assert (config.block_kv, config.compute_registers, config.producer_registers,
+            config.pingpong, config.persistent) == (128, 160, 24, "handoff", True)
+  assert forward_smem_bytes(config, d_pad, 2) <= SMEM_LIMIT_BYTES
 
 
 @pytest.mark.parametrize("mask", [NO_MASK, CAUSAL_BR], ids=["none", "causal"])
@@ -268,7 +285,9 @@ def test_heuristic_fuses_pv_and_qk_above_d128(d_pad, fused, mask):
     (256, NO_MASK, 16384, False, 64),
     # Causal D=64: 128-key tiles below 1024 keys (twenty-sixth session).
     (64, CAUSAL_BR, 512, False, 128), (64, CAUSAL_BR, 768, False, 128),
-    (64, CAUSAL_BR, 1024, False, 256), (64, CAUSAL_BR, 16384, False, 256)])
+    (64, CAUSAL_BR, 1024, False, 256),
+    # From 2048 keys three compute warpgroups with 128-key tiles (twenty-ninth).
+    (64, CAUSAL_BR, 2048, False, 128), (64, CAUSAL_BR, 16384, False, 128)])
 def test_heuristic_block_kv(d_pad, mask, kv_len, packed, block_kv):
   # The thirteenth session's H200 A/B (docs/benchmarks/h200/2026-12-02-s13/).
   config = forward_config(d_pad, jnp.bfloat16, mask, kv_len, kv_len, packed=packed)

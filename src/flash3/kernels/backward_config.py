@@ -301,6 +301,15 @@ class BackwardConfig:
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if packed and causal and head_dim <= 128:
       config = dataclasses.replace(config, block_kv_dq=64, block_q_dkv=64)
+    if head_dim <= 128 and deterministic:
+      # 240 registers per compute thread (the producer 24): the two kernels'
+      # hot loops spill less (dk/dv D=64 causal 36 -> 4 local-memory
+      # instructions offline, docs/ptxas.md), and on an H200 (twenty-ninth
+      # session, one run, docs/benchmarks/h200/2026-12-06-s29/) D=64 causal
+      # T=4096 ran 3.4% faster, non-causal T=16384 2.8%, causal 16384 1.7%,
+      # D=128 causal T=4096 3.4%, non-causal 4096 even. The single kernel
+      # keeps 232 / 40 (untimed with 240).
+      config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
                                    pair_dq=True)

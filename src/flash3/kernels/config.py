@@ -129,7 +129,9 @@ class ForwardConfig:
       the register file then allows at most 160 registers per compute
       thread beside a producer of 24 (``compute_registers``, which must be
       given: the default 232 does not fit), so score tiles of 128 keys.
-      An A/B knob, not yet timed on a GPU.
+      The default for causal D=64 from 2048 keys (``forward_config``;
+      H200, twenty-ninth session: +2-3% there, slower at short T and at
+      D=128).
     num_sms: CTAs of the persistent kernel (132 SMs on an H100 / H200 SXM);
       ignored unless ``persistent``.
     overlap_softmax: overlap each tile's softmax with the previous tile's
@@ -212,7 +214,9 @@ class ForwardConfig:
       other warpgroup waited for it). Needs ``persistent`` and the separate
       o tile (``persistent_separate_o``; checked where head_dim is known)
       and ``overlap_softmax`` off. An A/B knob for items of few key tiles
-      (short sequences, windows), off by default; not yet timed. Its costs:
+      (short sequences, windows), off by default: on an H200 (twenty-ninth
+      session) it was 6-21% slower causal at D 64 / 128, T 512-2048, and
+      -5% to +0.3% without a mask. Its costs:
       the epilogue runs before the first K slot is freed (with 2 stages the
       producer's refill may wait); at D=64, where the next q is issued only
       after an item's loop, the next item waits for its q before the
@@ -423,7 +427,8 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
       and at D=64 take 256-key tiles in a 2-slot ring, persistent (ninth
       session: 0.99-1.07x cuDNN at T 4096-16384, against 0.90-0.95 with the
       128-key grid kernel; 128-key tiles below 1024 keys since the
-      twenty-sixth); windows take 128-key tiles up to D=128.
+      twenty-sixth); windows take 128-key tiles up to D=128. Causal D=64
+      from 2048 keys runs three compute warpgroups (twenty-ninth session).
     q_len, kv_len: Tq and Tk.
     interpret: the ring is shrunk until interpret mode's P staging buffer
       fits too (see common.py); the GPU path keeps the full ring.
@@ -513,6 +518,17 @@ def forward_config(head_dim: int, dtype, mask: MaskSpec, q_len: int,
     # were within noise (2026-12-01, sixth session). Packed rows' 128-key
     # tiles were measured with them too (tenth session).
     config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
+  if (head_dim <= 64 and mask.causal and persistent and not windowed
+      and not packed and kv_len >= 2048):
+    # Three compute warpgroups (FlashAttention-3's D=64 layout: 192 query
+    # rows per CTA, 128-key tiles, 160 registers, the turns round all three)
+    # ran causal D=64 +1.9% to +3.2% at T=2048 and +2.4% to +2.9% at 16384
+    # (three runs each), 0.1-1.4% slower at 4096; below 2048 keys 3-13%
+    # slower, without a mask -2% to +1%, at D=128 (64-key tiles) slower
+    # everywhere (twenty-ninth session, docs/benchmarks/h200/2026-12-06-s29/).
+    config = dataclasses.replace(
+        config, compute_warpgroups=3, compute_registers=160, producer_registers=24,
+        block_kv=128, pingpong="handoff")
   # Shrink the ring until it fits (interpret mode's P buffer included there).
   while (forward_smem_bytes(config, head_dim, 2, interpret=interpret)
          > SMEM_LIMIT_BYTES and config.num_stages > 1):
