@@ -37,13 +37,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 
 WARPGROUP_THREADS = 128
-# Mosaic GPU's warpgroup barriers are ids 1..(warpgroups), for two compute
-# warpgroups and the producer 1..3.
-FIRST_ID = 4
 NUM_IDS = 16  # Hardware named barriers per CTA on sm90.
-TURN_IDS = 2  # PingPong's with two compute warpgroups: ids FIRST_ID, FIRST_ID + 1.
-# Then the ring's releases: k's slots, then v's (two ids per slot).
-MAX_RING_SLOTS = (NUM_IDS - FIRST_ID - TURN_IDS) // 2
 
 
 def first_turn_id(compute_warpgroups: int = 2) -> int:
@@ -58,6 +52,11 @@ def max_ring_slots(compute_warpgroups: int = 2) -> int:
   compute warpgroups, 4 with three."""
   first = first_turn_id(compute_warpgroups) + compute_warpgroups
   return (NUM_IDS - first) // 2
+
+
+# With two compute warpgroups (the defaults of the classes below).
+FIRST_ID = first_turn_id(2)
+MAX_RING_SLOTS = max_ring_slots(2)
 
 
 def release_first_ids(slots: int, compute_warpgroups: int = 2) -> tuple[int, int]:
