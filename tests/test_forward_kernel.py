@@ -1333,6 +1333,21 @@ def _expand_opts(opts, Tq, Tk):
   return opts
 
 
+def case_inputs(case, seed_k):
+  """A bitwise-comparison case's (q, k, v, mask, fields, opts, scale), bfloat16.
+
+  case is (id, B, Tq, Tk, N, K, D, mask, config fields, options); seed_k spreads the
+  key's seed over Tk so that two test files draw different inputs. A soft cap gets
+  scores 4x larger so that the tanh bends.
+  """
+  _, B, Tq, Tk, N, K, D, mask, fields, opts = case
+  opts = _expand_opts(opts, Tq, Tk)
+  q, k, v = make_qkv(jax.random.key(Tq + seed_k * Tk + D), B, Tq, Tk, N, K, D,
+                     jnp.bfloat16)
+  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  return q, k, v, mask, fields, opts, scale
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])

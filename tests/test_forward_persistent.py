@@ -27,6 +27,7 @@ from flash3.visibility import MaskSpec
 
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _expand_opts, _opts,
+                                 case_inputs,
                                  _packed, assert_matches, assert_matches_opts,
                                  make_qkv, run_interpret_opts)
 
@@ -184,11 +185,7 @@ DEFER_CASES = [
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", DEFER_CASES, ids=[c[0] for c in DEFER_CASES])
 def test_interpret_deferred_epilogue_is_bitwise_the_plain_order(case):
-  _, B, Tq, Tk, N, K, D, mask, fields, opts = case
-  opts = _expand_opts(opts, Tq, Tk)
-  q, k, v = make_qkv(jax.random.key(Tq + 3 * Tk + D), B, Tq, Tk, N, K, D,
-                     jnp.bfloat16)
-  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  q, k, v, mask, fields, opts, scale = case_inputs(case, 3)
   config = _cfg(num_sms=2, **fields)
   o, lse = _run(q, k, v, mask=mask, separate_o=True, scale=scale,
                 config=dataclasses.replace(config, defer_epilogue=True), **opts)

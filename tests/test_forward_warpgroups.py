@@ -24,6 +24,7 @@ from flash3.visibility import MaskSpec
 
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _expand_opts,
+                                 case_inputs,
                                  assert_matches, assert_matches_opts, make_qkv,
                                  run_interpret_opts)
 
@@ -104,11 +105,7 @@ CASES = [
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_interpret_three_warpgroups_are_bitwise_two(case):
-  _, B, Tq, Tk, N, K, D, mask, fields, opts = case
-  opts = _expand_opts(opts, Tq, Tk)
-  q, k, v = make_qkv(jax.random.key(Tq + 5 * Tk + D), B, Tq, Tk, N, K, D,
-                     jnp.bfloat16)
-  scale = D ** -0.5 * (4.0 if "softcap" in opts else 1.0)
+  q, k, v, mask, fields, opts, scale = case_inputs(case, 5)
   fields = {"pingpong": "handoff", **fields}
   two = ForwardConfig(**fields)
   three = dataclasses.replace(two, **{**THREE, "pingpong": fields["pingpong"]})
