@@ -96,6 +96,21 @@ def test_zigzag_round_trip_and_order():
     zigzag(jnp.zeros((1, 6)), 2)
 
 
+@pytest.mark.parametrize("fn", [zigzag, unzigzag])
+@pytest.mark.parametrize("num_shards,axis,match", [
+    (0, 1, "num_shards=0"), (-1, 1, "num_shards=-1"), (2.0, 1, "num_shards=2.0"),
+    (True, 1, "num_shards=True"), (2, 5, "axis=5"), (2, -3, "axis=-3"),
+    (2, 1.0, "axis=1.0")])
+def test_zigzag_bad_arguments_name_themselves(fn, num_shards, axis, match):
+  with pytest.raises(ValueError, match=match):
+    fn(jnp.zeros((1, 8)), num_shards, axis=axis)
+
+
+def test_zigzag_negative_axis_is_the_same_axis():
+  x = jnp.arange(32).reshape(2, 16)
+  np.testing.assert_array_equal(zigzag(x, 2, axis=-1), zigzag(x, 2, axis=1))
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 5), (True, (5, 0))])
 def test_context_parallel_equals_unsharded(layout, causal, window):

@@ -43,19 +43,37 @@ def zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
   """Reorders the sequence ``axis`` of x into the zigzag layout for P shards.
 
   Raises:
-    ValueError: if the axis length is not a multiple of 2 * num_shards.
+    ValueError: if num_shards is not an int >= 1, axis is not an axis of x, or
+      the axis length is not a multiple of 2 * num_shards.
   """
+  _check_layout_args(x, num_shards, axis)
   return _permute_chunks(x, num_shards, axis, _chunk_order(num_shards))
 
 
 def unzigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
-  """Inverse of ``zigzag``."""
+  """Inverse of ``zigzag``; the same errors."""
+  _check_layout_args(x, num_shards, axis)
   order = _chunk_order(num_shards)
   inverse = [order.index(i) for i in range(len(order))]
   return _permute_chunks(x, num_shards, axis, inverse)
 
 
+def _check_layout_args(x, num_shards, axis) -> int:
+  """``axis`` normalised; ValueError for a bad ``num_shards`` or ``axis``."""
+  if (isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer))
+      or num_shards < 1):
+    raise ValueError(f"num_shards={num_shards!r}; allowed: an int >= 1 (the devices "
+                     "on the sequence axis)")
+  ndim = np.ndim(x)
+  if (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))
+      or not -ndim <= axis < ndim):
+    raise ValueError(f"axis={axis!r} for an array of rank {ndim}; allowed: an int in "
+                     f"[{-ndim}, {ndim - 1}]")
+  return int(axis) % ndim
+
+
 def _permute_chunks(x, num_shards, axis, order):
+  axis = _check_layout_args(x, num_shards, axis)
   length = x.shape[axis]
   if length % (2 * num_shards):
     raise ValueError(
