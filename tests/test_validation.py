@@ -265,6 +265,16 @@ def test_soft_cap_must_be_positive(cap):
   expect(ValueError, "logits_soft_cap", str(cap), logits_soft_cap=cap)
 
 
+# Finite in Python, inf in float32 (every output would be NaN): fresh-user review.
+@pytest.mark.parametrize("name", ["scale", "logits_soft_cap"])
+@pytest.mark.parametrize("value", [1e39, 3.5e38, -1e39])
+def test_beyond_float32_is_refused(name, value):
+  if name == "logits_soft_cap" and value < 0:
+    value = -value
+  expect(ValueError, name, "finite float32", **{name: value})
+
+
+
 def test_causal_alignment_unknown():
   expect(ValueError, "causal_alignment", "'center'", causal_alignment="center")
 

@@ -212,6 +212,9 @@ def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
   return (x[None] if unbatched else x).astype(jnp.int32)
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _positive_finite(name: str, value) -> float:
   if isinstance(value, (bool, np.bool_, str, bytes)) or isinstance(value, jax.core.Tracer):
     raise TypeError(
@@ -225,6 +228,11 @@ def _positive_finite(name: str, value) -> float:
     raise TypeError(f"{name}={value!r}; allowed: a finite Python or NumPy number") from None
   if not math.isfinite(value):
     raise ValueError(f"{name}={value!r}; allowed: a finite number")
+  # The kernels and the reference compute in float32: a larger value would
+  # become inf there and turn every output into NaN.
+  if abs(value) > _FLOAT32_MAX:
+    raise ValueError(f"{name}={value!r}; allowed: a finite float32 number "
+                     f"(|{name}| <= {_FLOAT32_MAX:.4g})")
   return value
 
 
