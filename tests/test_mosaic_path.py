@@ -317,6 +317,33 @@ def test_interpret_kernels_warns_once_on_a_small_host(monkeypatch):
       pass
 
 
+def test_jit_traces_again_inside_and_outside_interpret_kernels():
+  # The interpret mode is part of jit's cache key: a function traced on the
+  # XLA path outside the context runs the kernels inside it (fresh-user review:
+  # the cached XLA trace was reused), and its "mosaic" twin raises again outside.
+  if ON_GPU:
+    pytest.skip("on a Hopper GPU the default path is the kernels already")
+  q, k, v, _ = _inputs(Tq=64, Tk=64, N=2, K=2)
+  auto = jax.jit(lambda q, k, v: flash3.dot_product_attention(q, k, v, is_causal=True))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the no-GPU notice
+    xla = auto(q, k, v)
+  with flash3.interpret_kernels():
+    inside = auto(q, k, v)
+    eager = flash3.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic")
+  np.testing.assert_array_equal(np.asarray(inside, np.float32), np.asarray(eager, np.float32))
+  # The kernel's bfloat16 output is not bitwise the reference's (it rounds p).
+  assert not np.array_equal(np.asarray(inside, np.float32), np.asarray(xla, np.float32))
+  np.testing.assert_array_equal(np.asarray(auto(q, k, v), np.float32),
+                                np.asarray(xla, np.float32))
+  mosaic = jax.jit(lambda q, k, v: flash3.dot_product_attention(
+      q, k, v, is_causal=True, implementation="mosaic"))
+  with flash3.interpret_kernels():
+    mosaic(q, k, v)
+  with pytest.raises(NotImplementedError, match="implementation='mosaic'"):
+    mosaic(q, k, v)
+
+
 def _scanned_train_step(B=1, T=128, N=4, K=2, D=64, layers=3):
   """grad of a scan over layers with flash3 attention: the residuals o and lse are
   stacked over layers by dynamic-update-slice, the shape of a real training step."""

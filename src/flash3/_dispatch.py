@@ -10,10 +10,21 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import jax
+from jax._src import config as _jax_config
+
 from flash3._device import why_not_hopper
 from flash3._validate import Problem
 
-_interpret_params = None   # set by interpret_kernels()
+# Set by interpret_kernels(). Part of jit's cache key, so that a function
+# traced outside the context (on the XLA path) is traced anew inside it
+# rather than reused, and the other way round. (A config state of jax's, a
+# private API: jax is pinned to 0.11.2.)
+_INTERPRET = _jax_config.enum_state(
+    "flash3_interpret_kernels", ["off", "on", "races"], "off",
+    "flash3: run the Mosaic GPU kernels in jax's GPU interpret mode "
+    "(set with flash3.interpret_kernels())", include_in_jit_key=True,
+    include_in_trace_context=True)
 _warned: set[str] = set()
 # Fewer host devices than this and jax's GPU interpreter was seen to stall
 # (its warpgroup threads wait on each other; see interpret_kernels).
@@ -40,8 +51,6 @@ def interpret_kernels(detect_races: bool = False):
       .get_races().races_found`` says whether it found one (jax 0.11.2; its
       wgmma operands are not race-checked).
   """
-  import jax
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   cpu_devices = len(jax.devices("cpu"))
   if cpu_devices < MIN_INTERPRET_CPU_DEVICES:
     warn_once(
@@ -49,18 +58,16 @@ def interpret_kernels(detect_races: bool = False):
         f"jax's GPU interpreter can stall with fewer than "
         f"{MIN_INTERPRET_CPU_DEVICES}: set XLA_FLAGS=--xla_force_host_platform_"
         f"device_count={MIN_INTERPRET_CPU_DEVICES} before importing jax")
-  global _interpret_params
-  previous = _interpret_params
-  _interpret_params = plgpu.InterpretGPUParams(detect_races=detect_races)
-  try:
-    yield _interpret_params
-  finally:
-    _interpret_params = previous
+  with _INTERPRET("races" if detect_races else "on"):
+    yield interpret_params()
 
 
 def interpret_params():
   """The active InterpretGPUParams, or False outside interpret_kernels()."""
-  return _interpret_params if _interpret_params is not None else False
+  if _INTERPRET.value == "off":
+    return False
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams(detect_races=_INTERPRET.value == "races")
 
 
 def _feature_reason(p: Problem, supported: frozenset[str]) -> str | None:
@@ -83,7 +90,7 @@ def _feature_reason(p: Problem, supported: frozenset[str]) -> str | None:
 
 def forward_reason(p: Problem) -> str | None:
   """None if the forward kernel takes this problem, else why not."""
-  if _interpret_params is None and (reason := why_not_hopper()):
+  if _INTERPRET.value == "off" and (reason := why_not_hopper()):
     return reason
   try:
     from flash3.kernels import forward
