@@ -260,6 +260,19 @@ def test_speed_rejects_bad_arguments(argv):
   assert info.value.code == 2
 
 
+@pytest.mark.parametrize("argv,named", [
+    (["--seq-len", "0"], "--seq-len=0"), (["--steps", "-1"], "--steps=-1"),
+    (["--warmup", "-2"], "--warmup=-2"), (["--lr", "0"], "--lr=0.0"),
+    (["--num-heads", "3", "--num-kv-heads", "2"], "--num-heads=3"),
+    (["--max-train-bytes", "0"], "--max-train-bytes=0")])
+def test_trainer_rejects_bad_sizes_naming_them(argv, named, capsys):
+  # A fresh-user review: --seq-len 0 "trained" to a held-out loss of 0.000.
+  with pytest.raises(SystemExit) as info:
+    train_lib.parse_args(argv)
+  assert info.value.code == 2
+  assert named in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["flash3,nope", "", " , "])
 def test_crosscheck_rejects_bad_impls_naming_the_allowed(text, capsys):
   from examples.train_gpt import crosscheck  # noqa: PLC0415

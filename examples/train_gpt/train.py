@@ -81,6 +81,21 @@ def parse_args(argv=None) -> argparse.Namespace:
       setattr(args, k, v)
   if args.head_dim is None:
     args.head_dim = PRESETS[args.preset]["head_dim"]
+  # Sizes argparse cannot check alone (a zero T "trained" to a loss of 0).
+  for name in ("num_layers", "num_heads", "num_kv_heads", "mlp_dim", "seq_len",
+               "batch_size", "steps", "eval_every", "eval_batches", "checkpoint_every"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')}={getattr(args, name)}; allowed: an int >= 1")
+  for name in ("warmup", "attention_share_steps"):
+    if getattr(args, name) < 0:
+      p.error(f"--{name.replace('_', '-')}={getattr(args, name)}; allowed: an int >= 0")
+  if args.max_train_bytes is not None and args.max_train_bytes < 1:
+    p.error(f"--max-train-bytes={args.max_train_bytes}; allowed: an int >= 1")
+  if not args.lr > 0:
+    p.error(f"--lr={args.lr}; allowed: a number > 0")
+  if args.num_heads % args.num_kv_heads:
+    p.error(f"--num-heads={args.num_heads} is not a multiple of --num-kv-heads="
+            f"{args.num_kv_heads}; allowed: a multiple (grouped-query attention)")
   return args
 
 
