@@ -266,11 +266,10 @@ def test_soft_cap_must_be_positive(cap):
 
 
 # Finite in Python, inf in float32 (every output would be NaN): fresh-user review.
-@pytest.mark.parametrize("name", ["scale", "logits_soft_cap"])
-@pytest.mark.parametrize("value", [1e39, 3.5e38, -1e39])
+@pytest.mark.parametrize("name,value", [
+    ("scale", 1e39), ("scale", 3.5e38), ("scale", -1e39),
+    ("logits_soft_cap", 1e39), ("logits_soft_cap", 3.5e38)])
 def test_beyond_float32_is_refused(name, value):
-  if name == "logits_soft_cap" and value < 0:
-    value = -value
   expect(ValueError, name, "finite float32", **{name: value})
 
 

@@ -46,13 +46,13 @@ def zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
     ValueError: if num_shards is not an int >= 1, axis is not an axis of x, or
       the axis length is not a multiple of 2 * num_shards.
   """
-  _check_layout_args(x, num_shards, axis)
+  axis = _check_layout_args(x, num_shards, axis)
   return _permute_chunks(x, num_shards, axis, _chunk_order(num_shards))
 
 
 def unzigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
   """Inverse of ``zigzag``; the same errors."""
-  _check_layout_args(x, num_shards, axis)
+  axis = _check_layout_args(x, num_shards, axis)
   order = _chunk_order(num_shards)
   inverse = [order.index(i) for i in range(len(order))]
   return _permute_chunks(x, num_shards, axis, inverse)
@@ -73,7 +73,7 @@ def _check_layout_args(x, num_shards, axis) -> int:
 
 
 def _permute_chunks(x, num_shards, axis, order):
-  axis = _check_layout_args(x, num_shards, axis)
+  """``order`` of x's 2 * num_shards chunks along ``axis`` (checked, >= 0)."""
   length = x.shape[axis]
   if length % (2 * num_shards):
     raise ValueError(
