@@ -38,3 +38,36 @@ def test_one_row_ranges_are_the_dense_mask(causal, alignment, left, right, Tq, T
   got = (cols >= np.asarray(lo).reshape(-1, 1)) & (cols < np.asarray(hi).reshape(-1, 1))
   np.testing.assert_array_equal(got, keep)
 
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    causal=st.booleans(), alignment=st.sampled_from(["top_left", "bottom_right"]),
+    left=windows, right=windows, Tq=st.integers(1, 70), Tk=st.integers(1, 70),
+    q_lo=st.integers(0, 69), rows=st.integers(1, 16), col_lo=st.integers(0, 69),
+    width=st.sampled_from([4, 8, 16]), edge=st.sampled_from(["lower", "upper"]))
+def test_one_sided_tiles_keep_what_both_sides_keep(causal, alignment, left, right, Tq,
+                                                   Tk, q_lo, rows, col_lo, width, edge):
+  """``tile_mask.other_side_cuts``: where it says the bound opposite the
+  tile's edge cannot cut the tile, comparing only the edge's bound keeps
+  exactly what comparing both keeps, for every row of the warpgroup's range
+  (rows past Tq are dropped by the kernels)."""
+  from flash3.kernels import tile_mask
+  mask = MaskSpec(causal=causal, alignment=alignment, window_left=left,
+                  window_right=right)
+  hypothesis.assume(q_lo < Tq)
+  q_hi = min(q_lo + rows, Tq)
+  shift = mask.shift(Tq, Tk)
+  full = mask.full_key_range(q_lo, q_hi, shift, Tk)
+  cuts = tile_mask.other_side_cuts(edge, col_lo, width, full)
+  q = np.arange(q_lo, q_hi, dtype=np.int32)
+  lo, hi = (np.broadcast_to(np.asarray(b), q.shape).reshape(-1, 1)
+            for b in mask.key_range(q, q + 1, shift, Tk))
+  cols = np.arange(col_lo, col_lo + width)[None, :]
+  both = (cols >= lo) & (cols < hi)
+  one = (cols >= lo) if edge == "lower" else (cols < hi)
+  if not cuts:
+    np.testing.assert_array_equal(one, both)
+  # And it is exact: it flags a tile just when the other bound cuts it.
+  other_keeps_all = (cols < hi).all() if edge == "lower" else (cols >= lo).all()
+  assert bool(cuts) == (not other_keeps_all)

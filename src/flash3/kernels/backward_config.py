@@ -136,6 +136,11 @@ class BackwardConfig:
       and 763, at 128 from 62 to 0 out of 521 and 444. Not yet timed or run
       on a GPU (docs/gpu_runs.md). The role split's dk/dv kernel (head_dim
       256) hands p (1 - tanh^2) over already, so there it changes nothing.
+    one_sided_edges: the dq kernel runs a masked key tile that only the
+      rows' lower (or only their upper) key bound can cut in a loop that
+      compares that bound alone (``tile_mask.edge_tiles``; as
+      ``ForwardConfig.one_sided_edges``): a window's edges. Masks without a
+      window's left edge compile as before.
   """
 
   block_q_dq: int = 64
@@ -158,6 +163,7 @@ class BackwardConfig:
   num_stages_dkv: int = 0
   role_split: bool = False
   fold_softcap: bool = True
+  one_sided_edges: bool = True
 
   @property
   def stages_dkv(self) -> int:
@@ -175,7 +181,8 @@ class BackwardConfig:
     check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0,
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
-                 "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap"):
+                 "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap",
+                 "one_sided_edges"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):

@@ -93,21 +93,25 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(q_lo, bq)], layout=row,
                            optimized=False)
 
-      def step(t, dq, masked: bool):
+      def step(t, dq, masked: bool, sides=tile_mask.SIDES):
         slot = slot_of(t)
         k_smem, v_smem = k_ring.at[slot], v_ring.at[slot]
         plgpu.barrier_wait(k_bars.at[slot])
         shape = (bq, bk)
         keep = None
         if masked:
+          # Rows past q_len see nothing by the upper bound; with ("lo",) they
+          # see more, harmlessly: their dq is selected to 0 below.
           keep = tile_mask.keep(
               tile_mask.key_bounds(mask, q_lo, bq, shift, kl,
-                                   None if lens is None else ql), t * bk, shape)
+                                   None if lens is None else ql), t * bk, shape,
+              sides)
           if seg_refs is not None:
             k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
                                layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-            keep = keep & (lax.broadcast_in_dim(q_seg, shape, [0])
-                           == lax.broadcast_in_dim(k_seg, shape, [1]))
+            same_doc = (lax.broadcast_in_dim(q_seg, shape, [0])
+                        == lax.broadcast_in_dim(k_seg, shape, [1]))
+            keep = same_doc if keep is None else keep & same_doc
 
         fold = softcap is not None and config.fold_softcap
 
@@ -147,9 +151,29 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32),
                              plgpu.Layout.WGMMA)
       tiles.drain_loop(cta_lo, t_lo, slot_of, (k_bars, v_bars), consumed)
-      dq = lax.fori_loop(t_lo, a, functools.partial(step, masked=True), dq)
+
+      def masked_loop(lo, hi, dq, sides=tile_mask.SIDES):
+        return lax.fori_loop(lo, hi, functools.partial(step, masked=True,
+                                                       sides=sides), dq)
+
+      # Masked tiles that only the lower (first loop) or only the upper (last
+      # loop) bound can cut compare that one (tile_mask.edge_tiles, over this
+      # warpgroup's rows below q_len). Each split point is formed where its
+      # loops run, not live across the others.
+      one_sided = mask.left is not None and config.one_sided_edges
+      edge_tiles = lambda: tile_mask.edge_tiles(
+          mask.full_key_range(q_lo, jnp.minimum(q_lo + bq, ql), shift, kl), bk)
+      if one_sided:
+        x = jnp.clip(edge_tiles()[0], t_lo, a)
+        dq = masked_loop(x, a, masked_loop(t_lo, x, dq, ("lo",)))
+      else:
+        dq = masked_loop(t_lo, a, dq)
       dq = lax.fori_loop(a, b_full, functools.partial(step, masked=False), dq)
-      dq = lax.fori_loop(b_full, t_hi, functools.partial(step, masked=True), dq)
+      if one_sided:
+        y = jnp.clip(edge_tiles()[1], b_full, t_hi)
+        dq = masked_loop(y, t_hi, masked_loop(b_full, y, dq), ("hi",))
+      else:
+        dq = masked_loop(b_full, t_hi, dq)
       tiles.drain_loop(t_hi, cta_hi, slot_of, (k_bars, v_bars), consumed)
       dq = dq * scale
       if lens is not None:  # Rows past q_len: exactly 0 (selected).

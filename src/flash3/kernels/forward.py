@@ -748,6 +748,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     w_hi = jnp.clip(w_hi, w_lo, t_hi)
     # Tiles every row sees in full (and wholly below Tk) need no mask.
     f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, Tk)
+    # By the mask and Tk alone (segment ids are compared in every masked tile).
+    hi_cuts_from, lo_cut_below = tile_mask.edge_tiles((f_lo, f_hi), block_kv)
     ft_lo = lax.div(jnp.asarray(f_lo, jnp.int32) + (block_kv - 1), block_kv)
     ft_hi = lax.div(jnp.asarray(f_hi, jnp.int32), block_kv)
     if has_segments:
@@ -759,6 +761,20 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     m1 = jnp.clip(ft_lo, w_lo, w_hi)
     m2 = jnp.clip(ft_hi, m1, w_hi)
 
+    def one_sided(lo, hi, edge: str):
+      """Masked tiles [lo, hi) on the rows' lower / upper ``edge``, split in
+      key order into (first, end, sides): those the other bound may cut too
+      compare both (tile_mask.edge_tiles; for a window of 1024, none).
+      Without a lower bound (no window's left edge) the one loop compares
+      the upper bound alone."""
+      if mask.left is None or not config.one_sided_edges:
+        return [(lo, hi, tile_mask.SIDES)]
+      if edge == "lower":
+        at = jnp.clip(hi_cuts_from, lo, hi)
+        return [(lo, at, ("lo",)), (at, hi, tile_mask.SIDES)]
+      at = jnp.clip(lo_cut_below, lo, hi)
+      return [(lo, at, tile_mask.SIDES), (at, hi, ("hi",))]
+
     jax.named_scope("q_wait")(plgpu.barrier_wait)(smem["q_loaded"].at[wg])
     D = q_smem.shape[-1]
     # The persistent kernel's next q, issued in the item's last compute step
@@ -768,10 +784,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # per-step check cost 2-3% (H200, seventeenth session).
     early_next_q = next_q is not None and separate_o and D > 64
 
-    def scores(s, t, *, masked: bool, half: int | None = None):
+    def scores(s, t, *, masked: bool, half: int | None = None,
+               sides=tile_mask.SIDES):
       """Raw Q K_t^T -> scores in the softmax's domain (see ``expo_scale``),
       -inf where tile t is masked; ``half`` 0 / 1: s holds only that half of
-      the tile's keys."""
+      the tile's keys; ``sides``: the row bounds that may cut it."""
       # E03: exp2's argument must be exactly 0 at a row's max. Raw scores
       # give (s - m) * c; scaled ones must be rounded before the max and the
       # subtraction both see them (a plain s * c - m is fused into one FMA by
@@ -784,16 +801,18 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
       if masked:
         k0 = t * block_kv + (0 if half is None else half * (block_kv // 2))
-        # Each row's key range (the mask's and Tk), against the columns.
-        keep = tile_mask.keep(
-            tile_mask.key_bounds(mask, q_lo, s.shape[0], shift, Tk), k0, s.shape)
+        same_doc = None
         if has_segments:
           kv_ids = plgpu.load(
               kv_ids_ref.at[batch, pl.ds(k0, s.shape[1])],
               layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-          keep = keep & (lax.broadcast_in_dim(q_ids, s.shape, [0])
-                         == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
-        s = jnp.where(keep, s, -jnp.inf)
+          same_doc = (lax.broadcast_in_dim(q_ids, s.shape, [0])
+                      == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
+        # Each row's key range (the mask's and Tk), against the columns: only
+        # the bounds in ``sides`` (those that may cut this tile).
+        s = tile_mask.mask_scores(
+            s, tile_mask.key_bounds(mask, q_lo, s.shape[0], shift, Tk), k0,
+            sides=sides, also=same_doc)
       return s
 
     def new_max(s, m, *, masked: bool):
@@ -821,9 +840,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       alpha = jnp.where(moves, jnp.exp2(in_exp2(m - m_sub)), 1.0)
       return m_new, m_sub, alpha
 
-    def softmax(s, t, m, *, masked: bool, half: int | None = None):
+    def softmax(s, t, m, *, masked: bool, half: int | None = None,
+                sides=tile_mask.SIDES):
       """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
-      s = scores(s, t, masked=masked, half=half)
+      s = scores(s, t, masked=masked, half=half, sides=sides)
       if config.lazy_rescale:
         m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
       else:
@@ -855,7 +875,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return lambda: (signal(), also())
 
     def compute_step(t, carry, *, masked: bool, half: int | None = None,
-                     also=None):
+                     sides=tile_mask.SIDES, also=None):
       # K of tile t was waited for already: by the previous compute step,
       # while its P @ V ran, or before the first compute step. ``half`` 0 / 1
       # (config.half_edge_tiles): only that half of the tile's keys.
@@ -871,8 +891,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           while_running=with_signal(also))
       release["k"].free(slot)
       issue_next_q_after(t)
-      p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
-                                                            half=half)
+      p, m_new, alpha = jax.named_scope("softmax")(softmax)(
+          s, t, m, masked=masked, half=half, sides=sides)
       acc = rescale(acc, alpha)
       l = l * alpha
 
@@ -1005,12 +1025,13 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       issue_next_q_after(t)
       return acc, m, l, s
 
-    def fused_step(t, carry, *, masked: bool):
+    def fused_step(t, carry, *, masked: bool, sides=tile_mask.SIDES):
       acc, m, l, s = carry
       slot, nxt = slot_of(t), t + 1
       has_next = nxt < w_hi
       next_slot = slot_of(nxt)
-      p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked)
+      p, m_new, alpha = jax.named_scope("softmax")(softmax)(s, t, m, masked=masked,
+                                                            sides=sides)
       acc = rescale(acc, alpha)
       l = l * alpha
 
@@ -1100,9 +1121,13 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(w_lo, jnp.minimum(w_lo + 1, w_hi),
                             functools.partial(fused_first, also=also),
                             (*carry, zero_scores()))
-      carry = lax.fori_loop(w_lo, m1, functools.partial(fused_step, masked=True), carry)
+      for lo, hi, sides in one_sided(w_lo, m1, "lower"):
+        carry = lax.fori_loop(lo, hi, functools.partial(
+            fused_step, masked=True, sides=sides), carry)
       carry = lax.fori_loop(m1, m2, functools.partial(fused_step, masked=False), carry)
-      carry = lax.fori_loop(m2, w_hi, functools.partial(fused_step, masked=True), carry)
+      for lo, hi, sides in one_sided(m2, w_hi, "upper"):
+        carry = lax.fori_loop(lo, hi, functools.partial(
+            fused_step, masked=True, sides=sides), carry)
       carry = carry[:3]
     else:
       a, b = w_lo, w_hi
@@ -1112,23 +1137,33 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         a, b = _half_edges(mask, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv)
       m1c = jnp.clip(m1, a, b)
       m2c = jnp.clip(m2, m1c, b)
-      # The loops in key order: (first, end, masked, half).
-      loops = [(a, m1c, True, None), (m1c, m2c, False, None), (m2c, b, True, None)]
+      # The loops in key order: (first, end, masked, half, edge); each masked
+      # one is split by the bounds that may cut its tiles (``one_sided``),
+      # where it runs, so the split points are not live across other loops.
+      loops = [(a, m1c, True, None, "lower"), (m1c, m2c, False, None, None),
+               (m2c, b, True, None, "upper")]
       if config.half_edge_tiles:
-        loops = [(w_lo, a, True, 1)] + loops + [(b, w_hi, True, 0)]
+        loops = ([(w_lo, a, True, 1, "lower")] + loops
+                 + [(b, w_hi, True, 0, "upper")])
       if defer:
-        # One peeled step per kind of step (the two masked loops share one).
+        # One peeled step per kind of step (the two masked loops share one,
+        # which compares both bounds).
         kinds = {}
-        for lo, hi, masked, half in loops:
+        for lo, hi, masked, half, _ in loops:
           kinds.setdefault((masked, half), []).append((lo, hi))
         for (masked, half), ranges in kinds.items():
           hit = functools.reduce(lambda x, y: x | y,
                                  [(lo <= w_lo) & (w_lo < hi) for lo, hi in ranges])
           carry = lax.fori_loop(w_lo, w_lo + hit.astype(jnp.int32), functools.partial(
               compute_step, masked=masked, half=half, also=also), carry)
-      for lo, hi, masked, half in loops:
-        carry = lax.fori_loop(from_second(lo), hi, functools.partial(
-            compute_step, masked=masked, half=half), carry)
+      for lo, hi, masked, half, edge in loops:
+        if not masked:
+          carry = lax.fori_loop(from_second(lo), hi, functools.partial(
+              compute_step, masked=False), carry)
+          continue
+        for x, y, sides in one_sided(lo, hi, edge):
+          carry = lax.fori_loop(from_second(x), y, functools.partial(
+              compute_step, masked=True, half=half, sides=sides), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     acc, m, l = carry
     if early_next_q:
