@@ -20,7 +20,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only overlap`` the overlapped softmax in the persistent kernel at D = 128;
 ``--only softcap`` the backward's folded soft cap on its GPU-only paths;
 ``--only defer`` the persistent forward's deferred epilogue;
-``--only warpgroups`` the forward with three compute warpgroups.
+``--only warpgroups`` the forward with three compute warpgroups;
+``--only window`` windows' one-sided edge tiles and the dk/dv kernel's row bounds.
 """
 import argparse
 import sys
@@ -262,11 +263,35 @@ def warpgroups_cases():
       raise SystemExit(f"three-warpgroup case T={t} computed nothing or non-finite values")
 
 
+def window_cases():
+  """Windows through the public API, forward and gradients at D = 64 and 128
+  (their defaults: the forward's and dq kernel's one-sided edge loops, the
+  dk/dv kernel's row bounds): a causal window of 130 over 400 keys (both
+  edges cut by one bound each) and a narrow two-sided window (20, 9) with
+  lengths (tiles both bounds cut)."""
+  cases = [dict(is_causal=True, local_window_size=(130, 0)),
+           dict(local_window_size=(20, 9), query_seq_lengths=jnp.array([390]),
+                key_value_seq_lengths=jnp.array([333]))]
+  for d in (64, 128):
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 400, 2, d), jnp.bfloat16)
+               for i in (61, 62, 63))
+    for kw in cases:
+      def loss(q, k, v, kw=kw):
+        o = flash3.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+        return (o.astype(jnp.float32) ** 2).sum()
+      value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+      ok = bool(jnp.isfinite(value)) and all(
+          bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+      print(f"window D={d} {kw}: loss {float(value):.4g}, finite {ok}")
+      if not ok:
+        raise SystemExit(f"window case D={d} {kw}: non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
           "softcap": softcap_cases, "defer": defer_cases,
-          "warpgroups": warpgroups_cases}
+          "warpgroups": warpgroups_cases, "window": window_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -441,3 +466,4 @@ shared_pair_cases()
 lengths_cases()
 fused_cases()
 overlap_cases()
+window_cases()

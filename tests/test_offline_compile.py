@@ -6,7 +6,7 @@ LLVM's PTX and ptxas (13.0.88, the H200 image's), by
 ``scripts/compile_report.py --offline`` inside ``scripts/ptxas/env.sh`` (which
 installs the plugin, ptxas and a stand-in driver in .venv-ptxas on first use:
 about 250 MB from PyPI, 1.3 GB on disk). It also holds ptxas's spills to what they are today:
-at most the bytes below (none in the forward but 4 bytes with a window), so
+at most the bytes below (none in the forward but 12 bytes with a window, outside its loops), so
 a change that spills more fails here before it costs a GPU run.
 """
 
@@ -33,9 +33,15 @@ SPILL_BUDGET = {
     ("bwd:256:4096:0", "dq_kernel_mosaic_gpu_kernel"): 88,
     ("bwd:256:4096:1", "dq_kernel_mosaic_gpu_kernel"): 204,
     ("bwdnd:64:4096:1", "dkv_kernel_mosaic_gpu_kernel"): 8,
-    ("fwd:128:16384:1:window", "forward_kernel_mosaic_gpu_kernel"): 4,
+    # 4 until the one-sided edge loops (2026-12-06): per-item scalars, none
+    # in a loop.
+    ("fwd:128:16384:1:window", "forward_kernel_mosaic_gpu_kernel"): 12,
     ("bwd:128:4096:1:segments", "dkv_kernel_mosaic_gpu_kernel"): 508,
-    ("bwd:64:4096:0:window+softcap+lengths", "dkv_kernel_mosaic_gpu_kernel"): 1052,
+    # 904 with the pairwise keep; the row bounds (dkv_row_bounds, windows'
+    # default since 2026-12-06) spill more in all but cut its masked loops
+    # from 2498-2505 instructions to 1468-1741, unmasked 849 -> 850 (48 -> 38
+    # local-memory instructions).
+    ("bwd:64:4096:0:window+softcap+lengths", "dkv_kernel_mosaic_gpu_kernel"): 1504,
     ("bwd:256:4096:1:lengths", "dkv_kernel_mosaic_gpu_kernel"): 16,
     ("bwd:256:4096:1:lengths", "dq_kernel_mosaic_gpu_kernel"): 204,
 }

@@ -1,10 +1,12 @@
 """``ForwardConfig.one_sided_edges`` / ``BackwardConfig.one_sided_edges``: a
 masked key tile that only the rows' lower (or only their upper) key bound can
 cut is masked by comparing that bound alone (``tile_mask.edge_tiles``; the
-rule itself is checked on numbers in tests/test_tile_mask.py).
+rule itself is checked on numbers in tests/test_tile_mask.py); and
+``BackwardConfig.dkv_row_bounds``, the dk/dv kernel's keep from each key's
+query range instead of the pairwise rule.
 
-The same elements are masked either way, so o, lse and dq are bitwise those
-of comparing both bounds. Interpret mode (race detection on the forward) on
+The same elements are masked either way, so o, lse, dq, dk and dv are bitwise
+those of comparing both bounds by the pairwise rule. Interpret mode (race detection on the forward) on
 windows whose edge tiles take the one-sided loops (a causal window: the far
 edge by its lower bound, the diagonal by its upper one) and the two-sided
 ones (a window narrower than a key tile, lengths that cut an edge tile); on
@@ -84,20 +86,31 @@ def test_interpret_forward_is_bitwise_both_sides(case, persistent):
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
 
 
+BACKWARD_CONFIGS = {
+    "one_sided": BackwardConfig(one_sided_edges=True),
+    "dkv_rows": BackwardConfig(dkv_row_bounds=True, one_sided_edges=False),
+    "dkv_rows_one_sided": BackwardConfig(dkv_row_bounds=True, one_sided_edges=True),
+}
+
+
 @pytest.mark.interpret
+@pytest.mark.parametrize("name", list(BACKWARD_CONFIGS))
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_interpret_dq_is_bitwise_both_sides(case):
+def test_interpret_backward_is_bitwise_pairwise_both_sides(case, name):
+  """dq, dk, dv with one-sided edge tiles and / or the dk/dv kernel's row
+  bounds (``BackwardConfig.dkv_row_bounds``) against the pairwise rule on
+  both sides: the same pairs are selected to 0."""
   _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
   opts = _expand_opts(opts, Tq, Tk)
   (q, k, v, do), o_lse, grads = check_opts(
       B, Tq, Tk, N, K, D, dtype, mask, interpret=True,
-      config=BackwardConfig(one_sided_edges=True), **opts)
+      config=BACKWARD_CONFIGS[name], **opts)
   both = run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts=opts,
                   interpret=True, o_lse=o_lse,
-                  config=BackwardConfig(one_sided_edges=False))
-  for name, a, b in zip(("dq", "dk", "dv"), grads, both):
+                  config=BackwardConfig(one_sided_edges=False, dkv_row_bounds=False))
+  for grad, a, b in zip(("dq", "dk", "dv"), grads, both):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                  err_msg=name)
+                                  err_msg=grad)
 
 
 # ----------------------------------------------------------------------------
@@ -115,7 +128,8 @@ GPU_MASKS = [
 @pytest.mark.parametrize("name, mask", GPU_MASKS, ids=[m[0] for m in GPU_MASKS])
 def test_gpu_default_configs_are_bitwise_both_sides(name, mask):
   """D=128, T=4096 (Tq=4000 against Tk=4096 for the narrow window): the
-  default forward and backward configs, one-sided or not."""
+  default forward and backward configs (windows: the dk/dv kernel's row
+  bounds) against both sides compared by the pairwise rule."""
   del name
   B, N, D = 1, 4, 128
   Tq = 4000 if mask.alignment == "bottom_right" else 4096
@@ -128,9 +142,10 @@ def test_gpu_default_configs_are_bitwise_both_sides(name, mask):
   for one_sided in (True, False):
     fwd = dataclasses.replace(fwd_base, one_sided_edges=one_sided)
     o, lse = forward.attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=fwd)
+    bwd = dataclasses.replace(bwd_base, one_sided_edges=one_sided,
+                              dkv_row_bounds=bwd_base.dkv_row_bounds and one_sided)
     grads = run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts={},
-                     interpret=False, o_lse=(o, lse),
-                     config=dataclasses.replace(bwd_base, one_sided_edges=one_sided))
+                     interpret=False, o_lse=(o, lse), config=bwd)
     results[one_sided] = [np.asarray(x, np.float32) for x in (o, lse, *grads)]
   assert_matches_opts(results[True][0].astype(np.float32), results[True][1],
                       q, k, v, scale=D ** -0.5, mask=mask)

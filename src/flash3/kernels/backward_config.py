@@ -140,7 +140,14 @@ class BackwardConfig:
       rows' lower (or only their upper) key bound can cut in a loop that
       compares that bound alone (``tile_mask.edge_tiles``; as
       ``ForwardConfig.one_sided_edges``): a window's edges. Masks without a
-      window's left edge compile as before.
+      window's left edge compile as before. With ``dkv_row_bounds`` the
+      dk/dv kernel's masked query tiles are split the same way.
+    dkv_row_bounds: the dk/dv kernel (its rows are keys) masks a tile by
+      each key's range of queries (``tile_mask.query_bounds``: two compares
+      per element, one on a one-sided tile) instead of the pairwise rule
+      (``MaskSpec.visible`` and both lengths: four), and forms the keep anew
+      for each of its two selects (pT, dsT) rather than keeping one live
+      across the matmuls. Not on the role-split path (head_dim 256).
   """
 
   block_q_dq: int = 64
@@ -164,6 +171,7 @@ class BackwardConfig:
   role_split: bool = False
   fold_softcap: bool = True
   one_sided_edges: bool = True
+  dkv_row_bounds: bool = False
 
   @property
   def stages_dkv(self) -> int:
@@ -182,7 +190,7 @@ class BackwardConfig:
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap",
-                 "one_sided_edges"):
+                 "one_sided_edges", "dkv_row_bounds"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):
@@ -317,6 +325,15 @@ class BackwardConfig:
       # D=128 causal T=4096 3.4%, non-causal 4096 even. The single kernel
       # keeps 232 / 40 (untimed with 240).
       config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
+    if span is not None and not config.role_split:
+      # A window's edge tiles by each key's query range, one compare per
+      # element where one bound alone cuts (dkv_row_bounds): offline
+      # (ptxas, D=128, causal window of 1024, thirty-first session) the dk/dv
+      # kernel's masked loops went from 852-864 instructions (19-20 of them
+      # local memory) to 595-607 (3-5), the unmasked one from 362 to 353.
+      # Plain causal keeps the pairwise rule: its unmasked loop grew by 4-8
+      # instructions (D=128 / 64). Not yet timed on a GPU.
+      config = dataclasses.replace(config, dkv_row_bounds=True)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
                                    pair_dq=True)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash3.kernels import backward_tiles as tiles
-from flash3.kernels import common, end_tiles
+from flash3.kernels import common, end_tiles, tile_mask
 
 
 def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
@@ -105,19 +105,32 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
     num_steps = group * tiles_per_head
     slot_of = lambda i: lax.rem(i, jnp.int32(stages))
 
-    def keep_of(t, k_lo, k_seg):
-      """Which (key, query) pairs of key tile k_lo, query tile t are visible."""
+    def keep_of(t, k_lo, k_seg, sides=None, fresh=False):
+      """Which (key, query) pairs of key tile k_lo, query tile t are visible
+      (None: all). ``sides`` None: the pairwise rule; else each key row's
+      query range against the columns, only the bounds in ``sides``
+      (``BackwardConfig.dkv_row_bounds``); ``fresh``: from bounds passed
+      through an optimization barrier, so that LLVM forms this keep anew
+      instead of keeping an earlier one's predicates live across matmuls."""
       shape = (bk, bq)
-      k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
-                                            layout=plgpu.Layout.WGMMA)
-      q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+      if sides is None:
+        k_ids = k_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                               layout=plgpu.Layout.WGMMA)
-      keep = mask.visible(q_ids, k_ids, shift) & (q_ids < ql) & (k_ids < kl)
+        q_ids = t * bq + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                layout=plgpu.Layout.WGMMA)
+        keep = mask.visible(q_ids, k_ids, shift) & (q_ids < ql) & (k_ids < kl)
+      else:
+        bounds = tile_mask.query_bounds(mask, k_lo, bk, shift, ql, kl)
+        if fresh:
+          bounds = tuple(lax.optimization_barrier(x) if jnp.ndim(x) else x
+                         for x in bounds)
+        keep = tile_mask.keep(bounds, t * bq, shape, sides)
       if seg_refs is not None:
         q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(t * bq, bq)],
                            layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-        keep = keep & (lax.broadcast_in_dim(k_seg, shape, [0])
-                       == lax.broadcast_in_dim(q_seg, shape, [1]))
+        same_doc = (lax.broadcast_in_dim(k_seg, shape, [0])
+                    == lax.broadcast_in_dim(q_seg, shape, [1]))
+        keep = same_doc if keep is None else keep & same_doc
       return keep
 
     def zero_past_kv_len(k_lo, *accs):
@@ -239,6 +252,15 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       t_lo, a, b_full, t_hi = tiles.own_sections(plan_of(k_lo), cta_lo, cta_hi)
       col = plgpu.Layout.WGMMA.reduce(0)
       ready = (q_bars, do_bars, lse_bars, delta_bars)
+
+      def query_edge_tiles():
+        """``tile_mask.edge_tiles`` over this warpgroup's key rows: the query
+        ranges every row sees. A tile with rows past kv_len compares both
+        bounds everywhere (those rows' upper bound, 0, cuts every tile; their
+        dsT must be 0 where dq is summed in this kernel)."""
+        f_lo, f_hi = mask.full_query_range(k_lo, k_lo + bk, shift, ql)
+        f_hi = jnp.where(k_lo + bk > kl, 0, f_hi)
+        return tile_mask.edge_tiles((f_lo, f_hi), bq)
       k_seg = None
       if seg_refs is not None:  # This warpgroup's key ids, one per row.
         k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(k_lo, bk)],
@@ -276,21 +298,28 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         stage(ds)
         use(common.matmul_smem_sum(pairs(), (bq, half)))
 
-      def step(t, carry, head_base, g, masked: bool):
+      def step(t, carry, head_base, g, masked: bool, sides=None):
         dk, dv = carry
         slot = slot_of(head_base + t - cta_lo)
         q_smem, do_smem = q_ring.at[slot], do_ring.at[slot]
         plgpu.barrier_wait(q_bars.at[slot])
         plgpu.barrier_wait(lse_bars.at[slot])
         shape = (bk, bq)
-        keep = keep_of(t, k_lo, k_seg) if masked else None
+        # The pairwise keep is formed once for both selects; the row bounds'
+        # keep once for each (config.dkv_row_bounds).
+        keep = keep_of(t, k_lo, k_seg) if masked and sides is None else None
+        keep_p = (lambda: keep) if sides is None else (
+            lambda: keep_of(t, k_lo, k_seg, sides))
+        keep_ds = (lambda: keep) if sides is None else (
+            lambda: keep_of(t, k_lo, k_seg, sides, fresh=True))
         lse2_col = plgpu.load(lse_ring.at[slot], layout=col)
 
         def probabilities(sT):
           pT, th = tiles.probabilities(sT, lax.broadcast_in_dim(lse2_col, shape, [1]),
                                        scale=scale, softcap=softcap,
                                        fma_cols=config.exp2_fma_cols, guard=staged)
-          pT = pT if keep is None else jnp.where(keep, pT, 0.0)
+          kp = keep_p() if masked else None
+          pT = pT if kp is None else jnp.where(kp, pT, 0.0)
           if th is None or not config.fold_softcap:
             return pT, th
           # dv += pT do needs pT only in the input dtype, dsT only pT (1 - tanh^2):
@@ -324,7 +353,8 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           dsT = tiles.through_softcap(
               pT * (dpT - lax.broadcast_in_dim(delta_col, shape, [1])), th)
           # Select, so NaN/inf in masked rows cannot leak.
-          return dsT if keep is None else jnp.where(keep, dsT, 0.0)
+          kd = keep_ds() if masked else None
+          return dsT if kd is None else jnp.where(kd, dsT, 0.0)
 
         if overlap:
           # GPU, FlashAttention-3's order: sT and dpT issued together, pT
@@ -398,12 +428,29 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       def head(g, carry):
         base = g * tiles_per_head
         skip(cta_lo, t_lo, base, g)
-        carry = lax.fori_loop(t_lo, a, functools.partial(
-            step, head_base=base, g=g, masked=True), carry)
+        masked = lambda lo, hi, carry, sides=None: lax.fori_loop(
+            lo, hi, functools.partial(step, head_base=base, g=g, masked=True,
+                                      sides=sides), carry)
+        if not config.dkv_row_bounds:
+          carry = masked(t_lo, a, carry)
+        elif mask.right is None or mask.left is None or not config.one_sided_edges:
+          carry = masked(t_lo, a, carry, tile_mask.SIDES)
+        else:
+          # Low query tiles: cut by each key's lower query bound; split off
+          # those its upper one (a window's left edge, q_len, or kv_len's
+          # rows) may cut too (tile_mask.edge_tiles).
+          x = jnp.clip(query_edge_tiles()[0], t_lo, a)
+          carry = masked(x, a, masked(t_lo, x, carry, ("lo",)), tile_mask.SIDES)
         carry = lax.fori_loop(a, b_full, functools.partial(
             step, head_base=base, g=g, masked=False), carry)
-        carry = lax.fori_loop(b_full, t_hi, functools.partial(
-            step, head_base=base, g=g, masked=True), carry)
+        if not config.dkv_row_bounds:
+          carry = masked(b_full, t_hi, carry)
+        elif mask.right is None or mask.left is None or not config.one_sided_edges:
+          carry = masked(b_full, t_hi, carry, tile_mask.SIDES)
+        else:
+          y = jnp.clip(query_edge_tiles()[1], b_full, t_hi)
+          carry = masked(y, t_hi, masked(b_full, y, carry, tile_mask.SIDES),
+                         ("hi",))
         skip(t_hi, cta_hi, base, g)
         return carry
 

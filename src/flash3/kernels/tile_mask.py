@@ -58,6 +58,20 @@ def key_bounds(mask: MaskSpec, q_lo: Any, rows: int, shift: Any, kv_len: Any,
 SIDES = ("lo", "hi")
 
 
+def query_bounds(mask: MaskSpec, k_lo: Any, rows: int, shift: Any, q_len: Any,
+                 kv_len: Any = None):
+  """Per key row ``k_lo + i`` (i < rows): the queries ``[lo, hi)`` that see it
+  (the dk/dv kernel's rows are keys). Rows ``>= kv_len`` (when given) are
+  seen by none. Vectors in the ``ROWS`` layout, or scalars."""
+  if not mask.is_structural and kv_len is None:
+    return 0, q_len
+  k = k_lo + plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=ROWS)
+  lo, hi = mask.query_range(k, k + 1, shift, q_len)
+  if kv_len is not None:
+    hi = jnp.where(k < kv_len, hi, 0)
+  return lo, hi
+
+
 def keep(bounds, col_lo: Any, shape: tuple[int, int], sides: tuple[str, ...] = SIDES):
   """Boolean ``shape`` (WGMMA layout): column ``col_lo + j`` of row i lies in
   row i's ``[lo, hi)`` (``bounds``, from ``key_bounds``), comparing only the
