@@ -46,6 +46,11 @@ CASES = [
     ("window-lengths", 2, 256, 320, 2, 1, 64, F16,
      W(causal=True, window_left=100, alignment="bottom_right"),
      dict(q_lengths=[256, 100], kv_lengths=[320, 150])),
+    # Queries from 200 on see no key (all of their window lies past
+    # kv_len = 100), though the formula's reach of key rows 100..127 (past
+    # kv_len, in a tile with valid rows) covers some of them.
+    ("window-past-kv-len", 1, 400, 400, 2, 1, 64, F16,
+     W(window_left=100, window_right=100), dict(kv_lengths=[100])),
     ("window-segments-softcap", 1, 384, 384, 2, 1, 64, BF16,
      W(causal=True, window_left=130), dict(segments=([[20, 364]], [[20, 364]]),
                                            softcap=5.0)),
@@ -152,3 +157,47 @@ def test_gpu_default_configs_are_bitwise_both_sides(name, mask):
   for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), results[True], results[False]):
     assert np.isfinite(a).all() or name == "lse", name
     np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("D, mask, kv_len, want", [
+    (64, W(causal=True, window_left=1024), 16384, True),
+    (128, W(causal=True, window_left=1024), 16384, True),
+    (128, W(window_left=300, window_right=200), 4096, True),
+    (128, W(causal=True, alignment="bottom_right"), 16384, False),  # no window
+    (128, W(), 4096, False),
+    (128, W(window_left=8192, window_right=8192), 4096, False),  # does not bind
+    (256, W(causal=True, window_left=1024), 16384, False),  # role split
+])
+def test_windows_take_the_dkv_row_bounds_by_default(D, mask, kv_len, want):
+  # Offline (ptxas): the dk/dv kernel's masked window loops 852-864 -> 595-607
+  # instructions at D=128; plain causal's unmasked loop grew, so it keeps the
+  # pairwise rule (docs/ptxas.md).
+  for deterministic in (True, False):
+    config = BackwardConfig.heuristic(D, kv_len, kv_len, mask, deterministic=deterministic)
+    assert config.dkv_row_bounds is want
+    assert config.one_sided_edges
+
+
+SINGLE_KERNEL_CASES = ["narrow-window", "window-lengths", "window-past-kv-len"]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in SINGLE_KERNEL_CASES],
+                         ids=SINGLE_KERNEL_CASES)
+def test_interpret_single_kernel_backward_with_row_bounds(case):
+  """deterministic=False at D=64 (dq summed from the dk/dv kernel's dsT): its
+  row-bound keep (the heuristic's for windows) against the pairwise rule.
+  Key rows past kv_len must give dsT = 0 there, since dq sums over them."""
+  _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
+  opts = _expand_opts(opts, Tq, Tk)
+  config = BackwardConfig.heuristic(D, Tq, Tk, mask, interpret=True, deterministic=False)
+  assert config.dkv_row_bounds and not config.deterministic
+  (q, k, v, do), o_lse, grads = check_opts(B, Tq, Tk, N, K, D, dtype, mask,
+                                           interpret=True, config=config, **opts)
+  pairwise = run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts=opts,
+                      interpret=True, o_lse=o_lse,
+                      config=dataclasses.replace(config, dkv_row_bounds=False,
+                                                 one_sided_edges=False))
+  for grad, a, b in zip(("dq", "dk", "dv"), grads, pairwise):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=grad)

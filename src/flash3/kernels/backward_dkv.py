@@ -256,8 +256,10 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       def query_edge_tiles():
         """``tile_mask.edge_tiles`` over this warpgroup's key rows: the query
         ranges every row sees. A tile with rows past kv_len compares both
-        bounds everywhere (those rows' upper bound, 0, cuts every tile; their
-        dsT must be 0 where dq is summed in this kernel)."""
+        bounds everywhere (those rows' upper bound, 0, cuts every tile): their
+        K and V are 0, but p = exp2(-lse) may still overflow for a query with
+        a very negative lse, and where dq is summed in this kernel inf * 0
+        would reach it."""
         f_lo, f_hi = mask.full_query_range(k_lo, k_lo + bk, shift, ql)
         f_hi = jnp.where(k_lo + bk > kl, 0, f_hi)
         return tile_mask.edge_tiles((f_lo, f_hi), bq)
