@@ -216,7 +216,8 @@ class ForwardConfig:
       and ``overlap_softmax`` off. An A/B knob for items of few key tiles
       (short sequences, windows), off by default: on an H200 (twenty-ninth
       session) it was 6-21% slower causal at D 64 / 128, T 512-2048, and
-      -5% to +0.3% without a mask. Its costs:
+      -5% to +0.3% without a mask; a causal window of 1024 at D=128, T=16384
+      7% slower (thirty-first session). Its costs:
       the epilogue runs before the first K slot is freed (with 2 stages the
       producer's refill may wait); at D=64, where the next q is issued only
       after an item's loop, the next item waits for its q before the
@@ -228,8 +229,10 @@ class ForwardConfig:
       a window's far edge and its diagonal, one compare and one select per
       element instead of two of each. Offline (ptxas, D=128, causal window
       of 1024) those loops hold 743 instructions instead of 861; masks
-      without a window's left edge compile as before. False: every masked
-      tile compares both bounds (the kernels until the thirty-first session).
+      without a window's left edge compile as before. On an H200 (thirty-
+      first session, that window at T=16384, two runs) D=64 ran 1.2-1.8%
+      faster, D=128 within 1%. False: every masked tile compares both bounds
+      (the kernels until the thirty-first session).
   """
 
   block_q: int = 64
