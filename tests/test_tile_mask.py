@@ -40,26 +40,35 @@ def test_one_row_ranges_are_the_dense_mask(causal, alignment, left, right, Tq, T
 
 
 
-@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(
     causal=st.booleans(), alignment=st.sampled_from(["top_left", "bottom_right"]),
     left=windows, right=windows, Tq=st.integers(1, 70), Tk=st.integers(1, 70),
-    q_lo=st.integers(0, 69), rows=st.integers(1, 16), col_lo=st.integers(0, 69),
-    width=st.sampled_from([4, 8, 16]), edge=st.sampled_from(["lower", "upper"]))
-def test_one_sided_tiles_keep_what_both_sides_keep(causal, alignment, left, right, Tq,
-                                                   Tk, q_lo, rows, col_lo, width, edge):
-  """``tile_mask.other_side_cuts``: where it says the bound opposite the
-  tile's edge cannot cut the tile, comparing only the edge's bound keeps
+    q_lo=st.integers(0, 69), rows=st.integers(1, 16), t=st.integers(0, 17),
+    block=st.sampled_from([4, 8, 16]),
+    edge_half=st.sampled_from([("lower", None), ("lower", 1), ("upper", None),
+                               ("upper", 0)]))
+def test_edge_tiles_name_exactly_the_tiles_the_other_bound_cuts(
+    causal, alignment, left, right, Tq, Tk, q_lo, rows, t, block, edge_half):
+  """``tile_mask.edge_tiles``, as the kernels' loops use it (``edge_loops``):
+  a tile (or the half of one a warpgroup computes at that edge) on the rows'
+  lower edge is cut by some row's upper bound just when ``t >= hi_cuts_from``,
+  one on the upper edge by some row's lower bound just when ``t <
+  lo_cut_below``. Where it is not, comparing only the edge's bound keeps
   exactly what comparing both keeps, for every row of the warpgroup's range
   (rows past Tq are dropped by the kernels)."""
   from flash3.kernels import tile_mask
+  edge, half = edge_half
   mask = MaskSpec(causal=causal, alignment=alignment, window_left=left,
                   window_right=right)
   hypothesis.assume(q_lo < Tq)
   q_hi = min(q_lo + rows, Tq)
   shift = mask.shift(Tq, Tk)
-  full = mask.full_key_range(q_lo, q_hi, shift, Tk)
-  cuts = tile_mask.other_side_cuts(edge, col_lo, width, full)
+  hi_cuts_from, lo_cut_below = (int(x) for x in tile_mask.edge_tiles(
+      mask.full_key_range(q_lo, q_hi, shift, Tk), block))
+  cuts = t >= hi_cuts_from if edge == "lower" else t < lo_cut_below
+  col_lo = t * block + (0 if half is None else half * (block // 2))
+  width = block if half is None else block // 2
   q = np.arange(q_lo, q_hi, dtype=np.int32)
   lo, hi = (np.broadcast_to(np.asarray(b), q.shape).reshape(-1, 1)
             for b in mask.key_range(q, q + 1, shift, Tk))
@@ -70,4 +79,4 @@ def test_one_sided_tiles_keep_what_both_sides_keep(causal, alignment, left, righ
     np.testing.assert_array_equal(one, both)
   # And it is exact: it flags a tile just when the other bound cuts it.
   other_keeps_all = (cols < hi).all() if edge == "lower" else (cols >= lo).all()
-  assert bool(cuts) == (not other_keeps_all)
+  assert cuts == (not other_keeps_all)

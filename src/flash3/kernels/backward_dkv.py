@@ -430,29 +430,24 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       def head(g, carry):
         base = g * tiles_per_head
         skip(cta_lo, t_lo, base, g)
-        masked = lambda lo, hi, carry, sides=None: lax.fori_loop(
-            lo, hi, functools.partial(step, head_base=base, g=g, masked=True,
-                                      sides=sides), carry)
-        if not config.dkv_row_bounds:
-          carry = masked(t_lo, a, carry)
-        elif mask.right is None or mask.left is None or not config.one_sided_edges:
-          carry = masked(t_lo, a, carry, tile_mask.SIDES)
-        else:
-          # Low query tiles: cut by each key's lower query bound; split off
-          # those its upper one (a window's left edge, q_len, or kv_len's
-          # rows) may cut too (tile_mask.edge_tiles).
-          x = jnp.clip(query_edge_tiles()[0], t_lo, a)
-          carry = masked(x, a, masked(t_lo, x, carry, ("lo",)), tile_mask.SIDES)
+        def masked(lo, hi, edge, carry):
+          # Low query tiles lie on each key's lower query bound, high ones on
+          # its upper one (a window's left edge, q_len, or kv_len's rows).
+          if not config.dkv_row_bounds:
+            loops = [(lo, hi, None)]  # The pairwise rule.
+          elif mask.right is None or mask.left is None or not config.one_sided_edges:
+            loops = [(lo, hi, tile_mask.SIDES)]
+          else:
+            loops = tile_mask.edge_loops(lo, hi, edge, query_edge_tiles())
+          for x, y, sides in loops:
+            carry = lax.fori_loop(x, y, functools.partial(
+                step, head_base=base, g=g, masked=True, sides=sides), carry)
+          return carry
+
+        carry = masked(t_lo, a, "lower", carry)
         carry = lax.fori_loop(a, b_full, functools.partial(
             step, head_base=base, g=g, masked=False), carry)
-        if not config.dkv_row_bounds:
-          carry = masked(b_full, t_hi, carry)
-        elif mask.right is None or mask.left is None or not config.one_sided_edges:
-          carry = masked(b_full, t_hi, carry, tile_mask.SIDES)
-        else:
-          y = jnp.clip(query_edge_tiles()[1], b_full, t_hi)
-          carry = masked(y, t_hi, masked(b_full, y, carry, tile_mask.SIDES),
-                         ("hi",))
+        carry = masked(b_full, t_hi, "upper", carry)
         skip(t_hi, cta_hi, base, g)
         return carry
 

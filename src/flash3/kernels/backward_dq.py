@@ -160,20 +160,18 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       # loop) bound can cut compare that one (tile_mask.edge_tiles, over this
       # warpgroup's rows below q_len). Each split point is formed where its
       # loops run, not live across the others.
-      one_sided = mask.left is not None and config.one_sided_edges
-      edge_tiles = lambda: tile_mask.edge_tiles(
-          mask.full_key_range(q_lo, jnp.minimum(q_lo + bq, ql), shift, kl), bk)
-      if one_sided:
-        x = jnp.clip(edge_tiles()[0], t_lo, a)
-        dq = masked_loop(x, a, masked_loop(t_lo, x, dq, ("lo",)))
-      else:
-        dq = masked_loop(t_lo, a, dq)
+      def masked_loops(lo, hi, edge, dq):
+        if mask.left is None or not config.one_sided_edges:
+          return masked_loop(lo, hi, dq)
+        cuts = tile_mask.edge_tiles(
+            mask.full_key_range(q_lo, jnp.minimum(q_lo + bq, ql), shift, kl), bk)
+        for x, y, sides in tile_mask.edge_loops(lo, hi, edge, cuts):
+          dq = masked_loop(x, y, dq, sides)
+        return dq
+
+      dq = masked_loops(t_lo, a, "lower", dq)
       dq = lax.fori_loop(a, b_full, functools.partial(step, masked=False), dq)
-      if one_sided:
-        y = jnp.clip(edge_tiles()[1], b_full, t_hi)
-        dq = masked_loop(y, t_hi, masked_loop(b_full, y, dq), ("hi",))
-      else:
-        dq = masked_loop(b_full, t_hi, dq)
+      dq = masked_loops(b_full, t_hi, "upper", dq)
       tiles.drain_loop(t_hi, cta_hi, slot_of, (k_bars, v_bars), consumed)
       dq = dq * scale
       if lens is not None:  # Rows past q_len: exactly 0 (selected).

@@ -748,8 +748,6 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     w_hi = jnp.clip(w_hi, w_lo, t_hi)
     # Tiles every row sees in full (and wholly below Tk) need no mask.
     f_lo, f_hi = mask.full_key_range(q_lo, q_hi, shift, Tk)
-    # By the mask and Tk alone (segment ids are compared in every masked tile).
-    hi_cuts_from, lo_cut_below = tile_mask.edge_tiles((f_lo, f_hi), block_kv)
     ft_lo = lax.div(jnp.asarray(f_lo, jnp.int32) + (block_kv - 1), block_kv)
     ft_hi = lax.div(jnp.asarray(f_hi, jnp.int32), block_kv)
     if has_segments:
@@ -762,18 +760,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     m2 = jnp.clip(ft_hi, m1, w_hi)
 
     def one_sided(lo, hi, edge: str):
-      """Masked tiles [lo, hi) on the rows' lower / upper ``edge``, split in
-      key order into (first, end, sides): those the other bound may cut too
-      compare both (tile_mask.edge_tiles; for a window of 1024, none).
-      Without a lower bound (no window's left edge) the one loop compares
-      the upper bound alone."""
+      """``tile_mask.edge_loops`` of masked tiles [lo, hi) (for a window of
+      1024, none compares both). Without a lower bound (no window's left
+      edge) one loop, which compares the upper bound alone."""
       if mask.left is None or not config.one_sided_edges:
         return [(lo, hi, tile_mask.SIDES)]
-      if edge == "lower":
-        at = jnp.clip(hi_cuts_from, lo, hi)
-        return [(lo, at, ("lo",)), (at, hi, tile_mask.SIDES)]
-      at = jnp.clip(lo_cut_below, lo, hi)
-      return [(lo, at, tile_mask.SIDES), (at, hi, ("hi",))]
+      # By the mask and Tk alone (segment ids are compared in every masked tile).
+      return tile_mask.edge_loops(
+          lo, hi, edge, tile_mask.edge_tiles((f_lo, f_hi), block_kv))
 
     jax.named_scope("q_wait")(plgpu.barrier_wait)(smem["q_loaded"].at[wg])
     D = q_smem.shape[-1]

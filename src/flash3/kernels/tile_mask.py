@@ -18,8 +18,8 @@ made the head_dim 64 causal backward 15-20% slower on the H200.
 At a tile on the edge of its rows' ranges one bound usually cannot cut it
 (a window's far edge: the rows' upper bounds lie past its columns; a causal
 diagonal with a window: their lower bounds lie before them). ``mask_scores``
-then compares only the other bound: the forward runs such tiles in loops of
-their own (``edge_tiles`` splits its masked ranges). Offline (ptxas, D=128
+then compares only the other bound: the kernels run such tiles in loops of
+their own (``edge_tiles`` and ``edge_loops`` split their masked ranges). Offline (ptxas, D=128
 causal window of 1024) the forward's masked loop held 861 instructions
 against the unmasked loop's 568: per element two compares and two selects,
 where one of each suffices on such a tile. (Choosing the side by a branch
@@ -103,24 +103,27 @@ def mask_scores(s, bounds, col_lo: Any, *, sides: tuple[str, ...] = SIDES,
   return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
 
-def other_side_cuts(edge: str, col_lo: Any, width: int, full):
-  """Whether the bound opposite ``edge`` ("lower": each row's upper bound;
-  "upper": its lower bound) falls inside columns ``[col_lo, col_lo + width)``
-  for some row, given ``full``, the keys ``(f_lo, f_hi)`` every row sees
-  (``MaskSpec.full_key_range``: f_lo is the largest lower bound, f_hi the
-  smallest upper one, Tk included). The per-tile rule of ``edge_tiles``."""
-  f_lo, f_hi = full
-  if edge == "lower":
-    return col_lo + width > f_hi
-  return col_lo < f_lo
-
-
 def edge_tiles(full, block_kv: int):
-  """``(hi_cuts_from, lo_cut_below)``: key tiles ``t >= hi_cuts_from`` may be
-  cut by some row's upper bound, tiles ``t < lo_cut_below`` by some row's
-  lower bound (``other_side_cuts`` for whole tiles of ``block_kv`` keys, and
-  for either half of one). A masked tile outside those needs one compare."""
+  """``(hi_cuts_from, lo_cut_below)`` for tiles of ``block_kv`` columns, given
+  ``full``, the columns ``(f_lo, f_hi)`` every row sees (``MaskSpec.
+  full_key_range`` / ``full_query_range``: f_lo is the largest lower bound,
+  f_hi the smallest upper one, the length included): tiles ``t >=
+  hi_cuts_from`` (or the upper half of one) may be cut by some row's upper
+  bound, tiles ``t < lo_cut_below`` (or the lower half of one) by some row's
+  lower bound; exactly those."""
   f_lo, f_hi = full
   hi_cuts_from = lax.div(jnp.maximum(jnp.asarray(f_hi, jnp.int32), 0), block_kv)
   lo_cut_below = lax.div(jnp.asarray(f_lo, jnp.int32) + (block_kv - 1), block_kv)
   return hi_cuts_from, lo_cut_below
+
+
+def edge_loops(lo: Any, hi: Any, edge: str, cuts):
+  """Masked tiles ``[lo, hi)`` on the rows' lower / upper ``edge``, split in
+  order into ``[(first, end, sides), ...]``: the tiles that only that edge's
+  bound can cut compare it alone, the others both (``cuts``: ``edge_tiles``)."""
+  hi_cuts_from, lo_cut_below = cuts
+  if edge == "lower":
+    at = jnp.clip(hi_cuts_from, lo, hi)
+    return [(lo, at, ("lo",)), (at, hi, SIDES)]
+  at = jnp.clip(lo_cut_below, lo, hi)
+  return [(lo, at, SIDES), (at, hi, ("hi",))]
