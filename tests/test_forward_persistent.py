@@ -197,6 +197,50 @@ def test_interpret_deferred_epilogue_is_bitwise_the_plain_order(case):
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
 
 
+# ForwardConfig.epilogue_off_turn: a warpgroup hands its turn on for the
+# epilogue (one more signal and wait per item). Turns order the tensor cores'
+# work, not the arithmetic: bitwise the plain order, in the persistent kernel
+# (o apart from q or in it, either ping-pong, the overlapped softmax) and in
+# the grid kernel.
+OFF_TURN_CASES = DEFER_CASES + [
+    ("meeting", 1, 256, 300, 2, 1, 64, CAUSAL_BR, dict(pingpong="meeting"), {}),
+    ("overlap-softmax", 1, 330, 333, 2, 1, 64, CAUSAL_BR,
+     dict(overlap_softmax=True), {}),
+    ("three-warpgroups", 1, 400, 333, 2, 1, 64, CAUSAL_BR,
+     dict(compute_warpgroups=3, compute_registers=160, producer_registers=24,
+          pingpong="handoff"), {}),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("persistent,separate_o", [(True, True), (True, False),
+                                                   (False, None)],
+                         ids=["separate-o", "o-in-q", "grid"])
+@pytest.mark.parametrize("case", OFF_TURN_CASES, ids=[c[0] for c in OFF_TURN_CASES])
+def test_interpret_epilogue_off_turn_is_bitwise_the_plain_order(case, persistent,
+                                                                separate_o):
+  q, k, v, mask, fields, opts, scale = case_inputs(case, 3)
+  fields = dict(dict(pingpong="handoff"), **fields)
+  config = _cfg(num_sms=2, **fields)
+  if not persistent:
+    config = dataclasses.replace(config, persistent=False)
+  o, lse = _run(q, k, v, mask=mask, separate_o=separate_o, scale=scale,
+                config=dataclasses.replace(config, epilogue_off_turn=True), **opts)
+  assert not interpret_pallas_call.get_races().races_found
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+  o1, lse1 = _run(q, k, v, mask=mask, separate_o=separate_o, scale=scale,
+                  config=config, detect_races=False, **opts)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o1, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse1))
+
+
+def test_epilogue_off_turn_config_errors():
+  with pytest.raises(ValueError, match="epilogue_off_turn=True needs defer_epilogue"):
+    ForwardConfig(persistent=True, defer_epilogue=True, epilogue_off_turn=True)
+  with pytest.raises(ValueError, match="epilogue_off_turn"):
+    ForwardConfig(epilogue_off_turn="yes")
+
+
 @pytest.mark.parametrize("fields", [dict(persistent=False),
                                     dict(persistent=True, overlap_softmax=True)])
 def test_deferred_epilogue_config_errors(fields):
@@ -328,6 +372,28 @@ def test_gpu_deferred_epilogue_matches_the_plain_order(D, mask, T):
   config = dataclasses.replace(base, num_sms=132)
   o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask,
                              config=dataclasses.replace(config, defer_epilogue=True))
+  o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
+  assert bool(jnp.all(o == o1)), "o differs from the plain order"
+  assert bool(jnp.all(lse == lse1)), "lse differs from the plain order"
+  sl = (slice(0, 1), slice(None), slice(0, 2))
+  assert_matches(o[sl], lse[:1, :2], q[sl], k[sl[:2] + (slice(0, 1),)],
+                 v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,mask,T,fields", [
+    (64, NO_MASK, 512, {}), (64, CAUSAL_BR, 2048, {}),  # hand-off; three warpgroups
+    (128, CAUSAL_BR, 1024, dict(pingpong="handoff")), (128, CAUSAL_BR, 1024, {}),
+    (128, W(causal=True, window_left=1024), 4096, dict(pingpong="handoff")),
+    (128, NO_MASK, 4096, {}),  # the grid kernel
+])
+def test_gpu_epilogue_off_turn_matches_the_plain_order(D, mask, T, fields):
+  B, N, K = 2, 8, 2
+  q, k, v = make_qkv(jax.random.key(T + D + 1), B, T, T, N, K, D, jnp.bfloat16)
+  config = dataclasses.replace(forward_config(D, jnp.bfloat16, mask, T, T),
+                               num_sms=132, **fields)
+  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask,
+                             config=dataclasses.replace(config, epilogue_off_turn=True))
   o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
   assert bool(jnp.all(o == o1)), "o differs from the plain order"
   assert bool(jnp.all(lse == lse1)), "lse differs from the plain order"

@@ -77,8 +77,13 @@ CBR = MaskSpec(causal=True, alignment="bottom_right")
     ((2, 64, 200, 2, 2), MaskSpec(), dict(persistent=True, num_sms=2, num_stages=1)),
     ((1, 384, 100, 2, 1), MaskSpec(window_left=0, window_right=0),
      dict(persistent=True, num_sms=2)),
+    ((1, 330, 333, 2, 1), CBR, dict(epilogue_off_turn=True)),
+    ((1, 330, 333, 2, 1), CBR, dict(persistent=True, num_sms=3, epilogue_off_turn=True)),
+    ((1, 384, 100, 2, 1), MaskSpec(window_left=0, window_right=0),
+     dict(persistent=True, num_sms=2, epilogue_off_turn=True)),
 ], ids=["grid-causal", "persistent", "persistent-overlap", "persistent-1-stage",
-        "persistent-empty-items"])
+        "persistent-empty-items", "grid-epilogue-off-turn",
+        "persistent-epilogue-off-turn", "persistent-empty-items-epilogue-off-turn"])
 def test_ping_pong_alternates_in_program_order(barrier_log, shape, mask, config):
   B, Tq, Tk, N, K = shape
   q = jnp.zeros((B, Tq, N, 64), jnp.bfloat16)
@@ -156,3 +161,27 @@ def test_three_warpgroups_pass_the_turn_round_in_order(barrier_log, persistent):
   for b in turn:
     ops = "".join(op for bb, op, t in barrier_log if bb == b and t is not None)
     assert ops == "SW" * (len(ops) // 2) and ops, (b, ops)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("persistent", [False, True])
+def test_epilogue_off_turn_adds_one_turn_per_item(barrier_log, persistent):
+  """ForwardConfig(epilogue_off_turn=True): per item each warpgroup signals
+  and waits once more (around its epilogue), so the turn sequences grow by
+  two per item and still alternate."""
+  q = jax.random.normal(jax.random.key(1), (1, 330, 2, 64), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(2), (1, 333, 1, 64), jnp.float32).astype(jnp.bfloat16)
+  counts = []
+  for off in (False, True):
+    barrier_log.clear()
+    config = ForwardConfig(block_kv=64, pingpong="handoff", persistent=persistent,
+                           num_sms=2, epilogue_off_turn=off)
+    attention_forward(q, k, k, scale=0.125, mask=CBR, interpret=True,
+                      config=config)[0].block_until_ready()
+    seqs = _turn_sequences(barrier_log)
+    for (cta, wg), s in seqs.items():
+      want = "SW" * (len(s) // 2) + "S" if wg == 0 else "WS" * (len(s) // 2) + "W"
+      assert s == want, (off, cta, wg, s)
+    counts.append(sum(len(s) for s in seqs.values()))
+  # 330 rows: 3 query tiles of 128 rows x 2 heads = 6 items, 2 warpgroups.
+  assert counts[1] - counts[0] == 6 * 2 * 2, counts

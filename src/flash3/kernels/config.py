@@ -233,6 +233,16 @@ class ForwardConfig:
       first session, that window at T=16384, two runs) D=64 ran 1.2-1.8%
       faster, D=128 within 1%. False: every masked tile compares both bounds
       (the kernels until the thirty-first session).
+    epilogue_off_turn: a warpgroup hands the tensor cores on after its
+      item's last P @ V and waits for its turn again after the epilogue
+      (o = acc / l, the lse, their stores), before the next item's first
+      Q K^T, instead of holding the turn through both: one more signal and
+      wait per item and warpgroup, in every warpgroup alike, so the turns
+      still alternate. The other warpgroup's last P @ V then runs during this
+      epilogue. Needs ``defer_epilogue`` off (which moves the epilogue off
+      the turn another way). With ``pingpong="meeting"`` every signal is a
+      meeting, so each epilogue waits for the other warpgroup's last P @ V:
+      the hand-off suits it. An A/B knob for items of few key tiles.
   """
 
   block_q: int = 64
@@ -254,6 +264,7 @@ class ForwardConfig:
   schedule_rounds: int = LOCALITY_ROUNDS
   defer_epilogue: bool = False
   one_sided_edges: bool = True
+  epilogue_off_turn: bool = False
   compute_warpgroups: int = NUM_COMPUTE_WARPGROUPS
 
   def __post_init__(self):
@@ -293,6 +304,11 @@ class ForwardConfig:
     check_multiple("schedule_rounds", self.schedule_rounds, 1, 0, 64)
     check_bool("defer_epilogue", self.defer_epilogue)
     check_bool("one_sided_edges", self.one_sided_edges)
+    check_bool("epilogue_off_turn", self.epilogue_off_turn)
+    if self.epilogue_off_turn and self.defer_epilogue:
+      raise ValueError(
+          "epilogue_off_turn=True needs defer_epilogue=False; got "
+          f"defer_epilogue={self.defer_epilogue}")
     if self.defer_epilogue and (not self.persistent or self.overlap_softmax):
       raise ValueError(
           f"defer_epilogue=True needs persistent=True and overlap_softmax="

@@ -1176,6 +1176,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       pend["sink"] = sink
     if defer:
       return pend
+    if config.epilogue_off_turn:
+      # The tensor cores go to the next warpgroup (its last P @ V) while
+      # this one's epilogue runs; every warpgroup adds this signal and the
+      # wait below at the same point of its sequence, so the turns still
+      # alternate.
+      jax.named_scope("signal")(turns.signal)()
     finish(pend, persistent=next_q is not None)
     if next_q is None:
       common.wait_final_stores()
@@ -1183,6 +1189,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       # o was staged in the q tile: the next q may land once the store read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.when(next_q[0])(next_q[1])
+    if config.epilogue_off_turn:
+      jax.named_scope("turn")(turns.wait)()
     return None
 
   def produce_item(it, slot_of, g0):
