@@ -47,6 +47,14 @@ def test_config_and_shared_memory():
       forward_smem_bytes(plain, 128, 2) + 2 * 64 * 128 * 2)
   assert forward_smem_bytes(_cfg(block_kv=128), 128, 2, interpret=True) == (
       forward_smem_bytes(plain, 128, 2, interpret=True))
+  # P in registers (overlap_p_registers): no P tile on the GPU path; interpret
+  # mode still stages it.
+  regs = _cfg(block_kv=128, overlap_p_registers=True)
+  assert forward_smem_bytes(regs, 128, 2) == forward_smem_bytes(plain, 128, 2)
+  assert forward_smem_bytes(regs, 128, 2, interpret=True) == (
+      forward_smem_bytes(plain, 128, 2, interpret=True))
+  with pytest.raises(ValueError, match="overlap_p_registers"):
+    ForwardConfig(overlap_p_registers=1)
 
 
 CASES = [
@@ -109,6 +117,8 @@ def test_interpret_overlap_with_options():
     (128, _cfg(block_kv=128, num_stages=2)),
     (256, _cfg(block_kv=64, num_stages=2)),
     (128, _cfg(block_kv=128, num_stages=2, persistent=True)),
+    (128, _cfg(block_kv=128, num_stages=2, overlap_p_registers=True)),
+    (256, _cfg(block_kv=64, num_stages=2, overlap_p_registers=True, persistent=True)),
 ])
 def test_overlap_lowers_for_the_gpu(D, config):
   q, k, v = make_qkv(jax.random.key(0), 2, 300, 333, 4, 2, D, jnp.bfloat16)
@@ -133,11 +143,13 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("p_registers", [False, True], ids=["p-smem", "p-registers"])
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_gpu_overlap_matches_reference(case):
+def test_gpu_overlap_matches_reference(case, p_registers):
   B, Tq, Tk, N, K, D, dtype, mask, bk, st, persistent = case
   q, k, v = make_qkv(jax.random.key(Tq + Tk + D), B, Tq, Tk, N, K, D, dtype)
-  config = _cfg(block_kv=bk, num_stages=st, persistent=persistent)
+  config = _cfg(block_kv=bk, num_stages=st, persistent=persistent,
+                overlap_p_registers=p_registers)
   o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
   if B * Tq * Tk * N <= 2 * 1024 * 1024 * 8:
     assert_matches(o, lse, q, k, v, scale=D ** -0.5, mask=mask)
@@ -145,3 +157,9 @@ def test_gpu_overlap_matches_reference(case):
     sl = (slice(0, 1), slice(None), slice(0, 1))
     assert_matches(o[sl], lse[:1, :1], q[sl], k[sl[:2] + (slice(0, 1),)],
                    v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
+  if p_registers:
+    # The same P values reach the same wgmmas: bitwise the shared-memory form.
+    o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=dataclasses.replace(
+        config, overlap_p_registers=False))
+    assert bool(jnp.all(o == o1)), "o differs from P through shared memory"
+    assert bool(jnp.all(lse == lse1)), "lse differs from P through shared memory"

@@ -143,7 +143,18 @@ class ForwardConfig:
       tune.md) it is 7-10% slower at head_dim 128 and 18-24% slower at 256
       (the ping-pong already hides one warpgroup's softmax behind the other's
       matmuls; the P tile and the second accumulator cost more). Its GPU
-      tests pass. Keeping P in registers was 35% slower (sixth session).
+      tests pass. Keeping P in registers was 35% slower (sixth session),
+      see ``overlap_p_registers``.
+    overlap_p_registers: with ``overlap_softmax``, on the GPU P_{t-1} stays
+      in registers (carried from one step to the next) as the register
+      operand of the P @ V in flight during tile t's softmax, as in
+      FlashAttention-3, instead of a shared-memory tile: no 16 KiB store and
+      fence per tile, and no P tile in shared memory. ptxas (13.0, offline,
+      D=128) keeps that wgmma in flight across the softmax (it waits for
+      the scores alone, then for both after the softmax) with no spill.
+      Interpret mode stages P through shared memory whatever this says. An
+      A/B knob; the sixth session's register form ran 35% slower, before the
+      kernel's current softmax and turns.
     named_barriers: on the GPU, hand the ping-pong turns and the ring's
       releases over with hardware named barriers (``bar.arrive`` /
       ``bar.sync``, kernels/sync.py) instead of mbarriers; interpret mode
@@ -254,6 +265,7 @@ class ForwardConfig:
   persistent: bool = False
   num_sms: int = DEFAULT_SM_COUNT
   overlap_softmax: bool = False
+  overlap_p_registers: bool = False
   named_barriers: bool = True
   pingpong: str = "meeting"
   exp2_fma_cols: int = 0
@@ -275,6 +287,7 @@ class ForwardConfig:
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
     check_bool("persistent", self.persistent)
     check_bool("overlap_softmax", self.overlap_softmax)
+    check_bool("overlap_p_registers", self.overlap_p_registers)
     check_bool("named_barriers", self.named_barriers)
     check_multiple("exp2_fma_cols", self.exp2_fma_cols, 16, 0, self.block_kv)
     if self.pingpong not in PINGPONG_MODES:
@@ -334,7 +347,8 @@ def forward_smem_bytes(config: ForwardConfig, head_dim: int, itemsize: int,
   total = n * config.block_q * head_dim * itemsize
   total += 2 * stages * config.block_kv * head_dim * itemsize
   total += n * config.block_q * 4
-  if interpret or config.overlap_softmax:  # P through shared memory
+  if interpret or (config.overlap_softmax and not config.overlap_p_registers):
+    # P through shared memory.
     total += n * config.block_q * config.block_kv * itemsize
   return total + SMEM_RESERVED_BYTES
 

@@ -465,7 +465,7 @@ def _forward(q, k, v, lengths, v_edges, sinks, segments, *, scale: float, mask: 
   if config.persistent and separate_o:
     scratch["o"] = plgpu.SMEM((nwg, block_q, D), dtype,
                               transforms=transforms)
-  if staging or config.overlap_softmax:
+  if staging or (config.overlap_softmax and not config.overlap_p_registers):
     # P goes to P @ V through shared memory (always in interpret mode).
     scratch["p"] = plgpu.SMEM(
         (nwg, block_q, block_kv), dtype,
@@ -926,7 +926,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # while its wgmma runs). first_step makes P of the first tile, last_pv
     # adds the last P @ V. Per tile one signal and one wait for the turn, as
     # in compute_step.
-    p_tile = smem["p"].at[wg] if config.overlap_softmax else None
+    # ``overlap_p_registers`` on the GPU: P_{t-1} is carried in registers
+    # instead (the carry's fourth element), the register operand of the
+    # P @ V that runs during tile t's softmax; ptxas keeps the operand's
+    # registers until that wgmma's wait.
+    p_regs = config.overlap_p_registers and p_stage is None
+    p_tile = smem["p"].at[wg] if config.overlap_softmax and not p_regs else None
 
     def softmax_to_p(s, t, m, l, *, masked: bool):
       """Tile t's raw scores -> (P_t in the input dtype, m, alpha, l)."""
@@ -938,7 +943,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       plgpu.commit_smem()
 
     def first_step(t, carry, also=None):
-      acc, m, l = carry  # acc is still 0: nothing to rescale.
+      acc, m, l = carry[:3]  # acc is still 0: nothing to rescale.
       slot = slot_of(t)
       s = common.matmul_smem(q_smem, smem["k"].at[slot].transpose((1, 0)),
                              (block_q, block_kv), while_running=with_signal(also))
@@ -946,11 +951,14 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       issue_next_q_after(t)
       p16, m, _, l = softmax_to_p(s, t, m, l, masked=True)
       turns.wait()
+      if p_regs:
+        return acc, m, l, p16
       store_p(p16)
       return acc, m, l
 
     def overlap_step(t, carry, *, masked: bool):
-      acc, m, l = carry
+      acc, m, l = carry[:3]
+      p_prev = carry[3] if p_regs else p_tile
       slot, prev = slot_of(t), slot_of(t - 1)
       plgpu.barrier_wait(smem["k_loaded"].at[slot])
       plgpu.barrier_wait(smem["v_loaded"].at[prev])
@@ -973,7 +981,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         def body(refs):
           acc_ref, s_ref, p_ref, m_ref, alpha_ref, l_ref = refs
           plgpu.wgmma(s_ref, q_smem, k_t)
-          plgpu.wgmma(acc_ref, p_tile, v_prev)
+          plgpu.wgmma(acc_ref, p_prev, v_prev)
           turns.signal()
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t only.
           p_ref[...], m_ref[...], alpha_ref[...], l_ref[...] = after_scores(s)
@@ -984,20 +992,23 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
             plgpu.ACC.init(acc), plgpu.ACC.init(zeros((block_q, block_kv), jnp.float32)),
             zeros((block_q, block_kv), dtype), m, m, l))
       release["v"].free(prev)
+      if p_regs:
+        return rescale(acc, alpha), m, l, p16
       store_p(p16)  # P_{t-1} V_{t-1} has read the tile.
       return rescale(acc, alpha), m, l
 
     def last_pv(t, carry):
-      acc, m, l = carry
+      acc, m, l = carry[:3]
+      p_prev = carry[3] if p_regs else p_tile
       slot = slot_of(t)
       plgpu.barrier_wait(smem["v_loaded"].at[slot])
       if p_stage is not None:
         acc = acc + common.matmul_smem(p_tile, smem["v"].at[slot], acc.shape)
       else:
         acc = pl.run_state(lambda acc_ref: plgpu.wgmma(
-            acc_ref, p_tile, smem["v"].at[slot]))(plgpu.ACC.init(acc))
+            acc_ref, p_prev, smem["v"].at[slot]))(plgpu.ACC.init(acc))
       release["v"].free(slot)
-      return acc, m, l
+      return (acc, m, l) + carry[3:]
 
     # config.fuse_pv_qk: the scores of tile t are carried into step t, which
     # runs their softmax, then issues P_t @ V_t and Q K_{t+1}^T back to back
@@ -1103,6 +1114,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     if config.overlap_softmax:
       # Loops of 0 or 1 step: the first tile's softmax, the last tile's P @ V.
       start = jnp.minimum(w_lo + 1, w_hi)
+      if p_regs:  # P_{t-1}'s place in the carry (a loop of 0 trips keeps it).
+        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype),
+                                    plgpu.Layout.WGMMA),)
       carry = lax.fori_loop(w_lo, start, functools.partial(first_step, also=also),
                             carry)
       a1 = jnp.clip(m1, start, w_hi)
@@ -1111,6 +1125,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       carry = lax.fori_loop(a1, a2, functools.partial(overlap_step, masked=False), carry)
       carry = lax.fori_loop(a2, w_hi, functools.partial(overlap_step, masked=True), carry)
       carry = lax.fori_loop(jnp.maximum(w_hi - 1, w_lo), w_hi, last_pv, carry)
+      carry = carry[:3]
     elif config.fuse_pv_qk:
       carry = lax.fori_loop(w_lo, jnp.minimum(w_lo + 1, w_hi),
                             functools.partial(fused_first, also=also),
