@@ -21,7 +21,9 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only softcap`` the backward's folded soft cap on its GPU-only paths;
 ``--only defer`` the persistent forward's deferred epilogue;
 ``--only warpgroups`` the forward with three compute warpgroups;
-``--only window`` windows' one-sided edge tiles and the dk/dv kernel's row bounds.
+``--only window`` windows' one-sided edge tiles and the dk/dv kernel's row bounds;
+``--only off_turn`` the forward's epilogue off the ping-pong turn
+(``epilogue_off_turn``); ``--only overlap`` also runs P in registers.
 """
 import argparse
 import sys
@@ -151,14 +153,40 @@ def overlap_cases():
   q, k = (jax.random.normal(jax.random.key(i), (1, 384, 2, 128), jnp.bfloat16)
           for i in (21, 22))
   mask = MaskSpec(causal=True, window_left=100, alignment="bottom_right")
-  o, _ = attention_forward(
-      q, k, k, scale=0.09, mask=mask,
-      config=ForwardConfig(block_kv=64, overlap_softmax=True, persistent=True,
-                           num_sms=2))
-  ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
-  print(f"overlapped softmax, persistent D=128 window: finite and nonzero {ok}")
-  if not ok:
-    raise SystemExit("overlap case computed nothing or non-finite values")
+  # P through shared memory, then P carried in registers (overlap_p_registers).
+  for regs in (False, True):
+    o, _ = attention_forward(
+        q, k, k, scale=0.09, mask=mask,
+        config=ForwardConfig(block_kv=64, overlap_softmax=True, persistent=True,
+                             num_sms=2, overlap_p_registers=regs))
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"overlapped softmax, persistent D=128 window, P in registers {regs}: "
+          f"finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit("overlap case computed nothing or non-finite values")
+
+
+def off_turn_cases():
+  """Each warpgroup's epilogue off its ping-pong turn
+  (``ForwardConfig.epilogue_off_turn``): the o / lse staging tiles and the
+  next q while the other warpgroup's last P @ V runs; the persistent kernel
+  (2 CTAs, several items each, o apart from q at D = 64 and in it at D = 256)
+  and the grid kernel, hand-off and meeting turns."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  for d, fields in ((64, dict(persistent=True, num_sms=2, pingpong="handoff")),
+                    (128, dict(persistent=True, num_sms=2, pingpong="meeting")),
+                    (256, dict(persistent=True, num_sms=2, pingpong="handoff")),
+                    (128, dict(pingpong="handoff"))):
+    q, k = (jax.random.normal(jax.random.key(i), (1, 384, 2, d), jnp.bfloat16)
+            for i in (31, 32))
+    mask = MaskSpec(causal=True, window_left=100, alignment="bottom_right")
+    o, _ = attention_forward(q, k, k, scale=0.09, mask=mask, config=ForwardConfig(
+        block_kv=64, epilogue_off_turn=True, **fields))
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"epilogue off the turn, D={d} {fields}: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"off-turn case D={d} computed nothing or non-finite values")
 
 
 def schedule_cases():
@@ -291,7 +319,8 @@ GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
           "softcap": softcap_cases, "defer": defer_cases,
-          "warpgroups": warpgroups_cases, "window": window_cases}
+          "warpgroups": warpgroups_cases, "window": window_cases,
+          "off_turn": off_turn_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
