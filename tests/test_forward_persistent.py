@@ -365,13 +365,19 @@ def test_gpu_persistent_matches_reference_and_grid_kernel(case, num_sms):
 @pytest.mark.parametrize("D,mask,T", [(64, NO_MASK, 512), (128, NO_MASK, 1024),
                                       (128, CAUSAL_BR, 2048), (64, CAUSAL_BR, 1000)])
 def test_gpu_deferred_epilogue_matches_the_plain_order(D, mask, T):
-  B, N, K = 4, 8, 2
-  q, k, v = make_qkv(jax.random.key(T + D), B, T, T, N, K, D, jnp.bfloat16)
   base = forward_config(D, jnp.bfloat16, mask, T, T)
   assert base.persistent, base
-  config = dataclasses.replace(base, num_sms=132)
+  _assert_gpu_knob_is_the_plain_order(D, mask, T, 4, jax.random.key(T + D),
+                                      dataclasses.replace(base, num_sms=132),
+                                      defer_epilogue=True)
+
+
+def _assert_gpu_knob_is_the_plain_order(D, mask, T, B, key, config, **knob):
+  """``config`` with ``knob`` set gives bitwise its plain output, and matches
+  the reference on one batch row (N=8, K=2)."""
+  q, k, v = make_qkv(key, B, T, T, 8, 2, D, jnp.bfloat16)
   o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask,
-                             config=dataclasses.replace(config, defer_epilogue=True))
+                             config=dataclasses.replace(config, **knob))
   o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
   assert bool(jnp.all(o == o1)), "o differs from the plain order"
   assert bool(jnp.all(lse == lse1)), "lse differs from the plain order"
@@ -388,18 +394,10 @@ def test_gpu_deferred_epilogue_matches_the_plain_order(D, mask, T):
     (128, NO_MASK, 4096, {}),  # the grid kernel
 ])
 def test_gpu_epilogue_off_turn_matches_the_plain_order(D, mask, T, fields):
-  B, N, K = 2, 8, 2
-  q, k, v = make_qkv(jax.random.key(T + D + 1), B, T, T, N, K, D, jnp.bfloat16)
   config = dataclasses.replace(forward_config(D, jnp.bfloat16, mask, T, T),
                                num_sms=132, **fields)
-  o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask,
-                             config=dataclasses.replace(config, epilogue_off_turn=True))
-  o1, lse1 = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config)
-  assert bool(jnp.all(o == o1)), "o differs from the plain order"
-  assert bool(jnp.all(lse == lse1)), "lse differs from the plain order"
-  sl = (slice(0, 1), slice(None), slice(0, 2))
-  assert_matches(o[sl], lse[:1, :2], q[sl], k[sl[:2] + (slice(0, 1),)],
-                 v[sl[:2] + (slice(0, 1),)], scale=D ** -0.5, mask=mask)
+  _assert_gpu_knob_is_the_plain_order(D, mask, T, 2, jax.random.key(T + D + 1),
+                                      config, epilogue_off_turn=True)
 
 
 @pytest.mark.gpu
