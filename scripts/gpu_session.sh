@@ -21,7 +21,7 @@
 # api_kernels (scripts/api_kernels.py $API_ARGS: the API's fwd+bwd kernel by kernel),
 # hlo_calls (custom calls in the train step before and after XLA's optimizations),
 # mgpu_tests, mgpu_bench (both GPUs),
-# testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2
+# testfile:PATH (the test ids listed in PATH), tune_fwd, tune_bwd, tune_fwd2, tune_bwd2, tune_fwd3, tune_bwd3
 # (config sweeps, each into $OUT/r/<stage>/; TUNE_ARGS adds scripts/tune.py arguments,
 # e.g. "--causal 0 --persistent 0 1"; TUNE_FWD_ARGS, TUNE_FWD2_ARGS, ..., when set,
 # replace it for that stage), train_timeline (idle gaps in a traced train step); MGPU_ARGS adds
@@ -94,8 +94,8 @@ run_stage() {  # run_stage NAME GPU
       stage train_speed ${SPEED_BUDGET:-200} "$g" python3 -m examples.train_gpt.speed \
         --preset h200 --impls flash3,cudnn --flash3-kernels-only --steps ${SPEED_STEPS:-30} \
         --json "$R/train/speed.json" ;;
-    tune_fwd|tune_bwd|tune_fwd2|tune_bwd2)  # config sweeps against cuDNN (scripts/tune.py)
-      local what=${1#tune_}; what=${what%2}
+    tune_fwd|tune_bwd|tune_fwd2|tune_bwd2|tune_fwd3|tune_bwd3)  # config sweeps against cuDNN (scripts/tune.py)
+      local what=${1#tune_}; what=${what%[23]}
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "$what" \
         --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) \
         --out "$R/$1" ;;

@@ -254,6 +254,14 @@ class ForwardConfig:
       the turn another way). With ``pingpong="meeting"`` every signal is a
       meeting, so each epilogue waits for the other warpgroup's last P @ V:
       the hand-off suits it. An A/B knob for items of few key tiles.
+    trim_end_tile: the key tile that holds the last key (Tk - 1, when Tk is
+      static: no per-batch lengths) computes only its first keys, rounded up
+      to a multiple of 64, instead of all ``block_kv``: with Tk = 4096 and
+      192-key tiles, 21 whole tiles and one of 64 keys instead of 22 whole
+      ones (4224 keys' work). The keys cut off are past Tk, so invisible
+      anyway; the result equals whole tiles' up to the order of float32
+      sums. Needs overlap_softmax and fuse_pv_qk off (their steps keep
+      whole tiles). An A/B knob for ragged key lengths and wide tiles.
   """
 
   block_q: int = 64
@@ -277,6 +285,7 @@ class ForwardConfig:
   defer_epilogue: bool = False
   one_sided_edges: bool = True
   epilogue_off_turn: bool = False
+  trim_end_tile: bool = False
   compute_warpgroups: int = NUM_COMPUTE_WARPGROUPS
 
   def __post_init__(self):
@@ -322,6 +331,11 @@ class ForwardConfig:
       raise ValueError(
           "epilogue_off_turn=True needs defer_epilogue=False; got "
           f"defer_epilogue={self.defer_epilogue}")
+    check_bool("trim_end_tile", self.trim_end_tile)
+    if self.trim_end_tile and (self.overlap_softmax or self.fuse_pv_qk):
+      raise ValueError(
+          f"trim_end_tile=True needs overlap_softmax=False and fuse_pv_qk=False; "
+          f"got overlap_softmax={self.overlap_softmax}, fuse_pv_qk={self.fuse_pv_qk}")
     if self.defer_epilogue and (not self.persistent or self.overlap_softmax):
       raise ValueError(
           f"defer_epilogue=True needs persistent=True and overlap_softmax="

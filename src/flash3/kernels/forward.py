@@ -545,6 +545,35 @@ def _half_edges(mask: MaskSpec, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv: int
   return a, jnp.maximum(b, a)
 
 
+def _trimmed_end(Tk, block_kv: int) -> tuple[int, int] | None:
+  """``ForwardConfig.trim_end_tile``: ``(t_end, w_end)``, the key tile that
+  holds key ``Tk - 1`` and its keys rounded up to a whole number of 64 (the
+  wgmma's granularity here), when that is fewer than ``block_kv``; None when
+  Tk is traced (per-batch lengths) or the tile is whole.
+
+  With Tk = 4096 and 192-key tiles the last tile holds 64 keys: 21 whole
+  tiles and one of 64 instead of 22 whole (the 192-key tiles' loss at 4096
+  keys, thirteenth session)."""
+  if not isinstance(Tk, (int, np.integer)):
+    return None
+  rest = int(Tk) % block_kv
+  width = -(-rest // 64) * 64
+  if rest == 0 or width >= block_kv:
+    return None
+  return int(Tk) // block_kv, width
+
+
+def key_part(part: tuple[int, int] | None, w_end: int,
+             block_kv: int) -> tuple[int, int]:
+  """The keys ``(offset, width)`` of a tile's ``part`` (None: the whole
+  tile) that lie below ``w_end``, the trimmed end tile's width: a step's
+  static sub-tile. ``part`` must start below ``w_end``."""
+  offset, width = (0, block_kv) if part is None else part
+  if offset >= w_end:
+    raise ValueError(f"part={part!r} starts past the end tile's {w_end} keys")
+  return offset, min(offset + width, w_end) - offset
+
+
 def _tile_ranges(mask: MaskSpec, q_lo, q_hi, shift: int, Tk: int, block_kv: int):
   """Key tiles ``[t_lo, t_hi)`` some row of ``[q_lo, q_hi)`` sees (empty if q_hi <= q_lo)."""
   k_lo, k_hi = mask.key_range(q_lo, q_hi, shift, Tk)
@@ -778,11 +807,12 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # per-step check cost 2-3% (H200, seventeenth session).
     early_next_q = next_q is not None and separate_o and D > 64
 
-    def scores(s, t, *, masked: bool, half: int | None = None,
+    def scores(s, t, *, masked: bool, part: tuple[int, int] | None = None,
                sides=tile_mask.SIDES):
       """Raw Q K_t^T -> scores in the softmax's domain (see ``expo_scale``),
-      -inf where tile t is masked; ``half`` 0 / 1: s holds only that half of
-      the tile's keys; ``sides``: the row bounds that may cut it."""
+      -inf where tile t is masked; ``part`` (offset, width): s holds only
+      those keys of the tile (``key_part``); ``sides``: the row bounds that
+      may cut it."""
       # E03: exp2's argument must be exactly 0 at a row's max. Raw scores
       # give (s - m) * c; scaled ones must be rounded before the max and the
       # subtraction both see them (a plain s * c - m is fused into one FMA by
@@ -794,7 +824,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         # The cap acts on natural-unit scores; then into the exp2 domain.
         s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
       if masked:
-        k0 = t * block_kv + (0 if half is None else half * (block_kv // 2))
+        k0 = t * block_kv + (0 if part is None else part[0])
         same_doc = None
         if has_segments:
           kv_ids = plgpu.load(
@@ -834,10 +864,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       alpha = jnp.where(moves, jnp.exp2(in_exp2(m - m_sub)), 1.0)
       return m_new, m_sub, alpha
 
-    def softmax(s, t, m, *, masked: bool, half: int | None = None,
+    def softmax(s, t, m, *, masked: bool, part: tuple[int, int] | None = None,
                 sides=tile_mask.SIDES):
       """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
-      s = scores(s, t, masked=masked, half=half, sides=sides)
+      s = scores(s, t, masked=masked, part=part, sides=sides)
       if config.lazy_rescale:
         m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
       else:
@@ -868,25 +898,26 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         return signal
       return lambda: (signal(), also())
 
-    def compute_step(t, carry, *, masked: bool, half: int | None = None,
+    def compute_step(t, carry, *, masked: bool, part: tuple[int, int] | None = None,
                      sides=tile_mask.SIDES, also=None):
       # K of tile t was waited for already: by the previous compute step,
-      # while its P @ V ran, or before the first compute step. ``half`` 0 / 1
-      # (config.half_edge_tiles): only that half of the tile's keys.
+      # while its P @ V ran, or before the first compute step. ``part``
+      # (offset, width), static: only those keys of the tile (a half edge
+      # tile, the trimmed end tile; see ``key_part``).
       acc, m, l = carry
       slot = slot_of(t)
       k_tile, v_tile, width = smem["k"].at[slot], smem["v"].at[slot], block_kv
-      if half is not None:
-        width = block_kv // 2
-        k_tile = k_tile.at[pl.ds(half * width, width)]
-        v_tile = v_tile.at[pl.ds(half * width, width)]
+      if part is not None:
+        offset, width = part
+        k_tile = k_tile.at[pl.ds(offset, width)]
+        v_tile = v_tile.at[pl.ds(offset, width)]
       s = jax.named_scope("qk")(common.matmul_smem)(
           q_smem, k_tile.transpose((1, 0)), (block_q, width),
           while_running=with_signal(also))
       release["k"].free(slot)
       issue_next_q_after(t)
       p, m_new, alpha = jax.named_scope("softmax")(softmax)(
-          s, t, m, masked=masked, half=half, sides=sides)
+          s, t, m, masked=masked, part=part, sides=sides)
       acc = rescale(acc, alpha)
       l = l * alpha
 
@@ -912,7 +943,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
           plgpu.barrier_wait(smem["k_loaded"].at[slot_of(t + 1)])
 
       stage = p_stage
-      if stage is not None and half is not None:
+      if stage is not None and part is not None:
         stage = stage.at[:, pl.ds(0, width)]
       acc = jax.named_scope("pv")(common.accumulate_register_lhs)(
           acc, p16, v_tile, staging=stage, while_running=wait_next_k)
@@ -1146,33 +1177,50 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         a, b = _half_edges(mask, q_lo, q_hi, shift, Tk, w_lo, w_hi, block_kv)
       m1c = jnp.clip(m1, a, b)
       m2c = jnp.clip(m2, m1c, b)
-      # The loops in key order: (first, end, masked, half, edge); each masked
+      # The loops in key order: (first, end, masked, part, edge); each masked
       # one is split by the bounds that may cut its tiles (``one_sided``),
       # where it runs, so the split points are not live across other loops.
       loops = [(a, m1c, True, None, "lower"), (m1c, m2c, False, None, None),
                (m2c, b, True, None, "upper")]
       if config.half_edge_tiles:
-        loops = ([(w_lo, a, True, 1, "lower")] + loops
-                 + [(b, w_hi, True, 0, "upper")])
+        hw = block_kv // 2
+        loops = ([(w_lo, a, True, (hw, hw), "lower")] + loops
+                 + [(b, w_hi, True, (0, hw), "upper")])
+      end = _trimmed_end(Tk, block_kv) if config.trim_end_tile else None
+      if end is not None:
+        # The tile holding key Tk - 1 comes last in key order: it can only
+        # lie in a loop on the upper edge (by the mask, or by Tk alone, the
+        # tiles [m1, m2) end below it). Its loop's last trip is peeled off
+        # with fewer keys.
+        t_end, w_end = end
+        split = []
+        for lo, hi, masked, part, edge in loops:
+          cut = key_part(part, w_end, block_kv) if edge == "upper" else part
+          if cut == part:
+            split.append((lo, hi, masked, part, edge))
+            continue
+          split += [(lo, jnp.minimum(hi, t_end), masked, part, edge),
+                    (jnp.maximum(lo, t_end), hi, masked, cut, edge)]
+        loops = split
       if defer:
         # One peeled step per kind of step (the two masked loops share one,
         # which compares both bounds).
         kinds = {}
-        for lo, hi, masked, half, _ in loops:
-          kinds.setdefault((masked, half), []).append((lo, hi))
-        for (masked, half), ranges in kinds.items():
+        for lo, hi, masked, part, _ in loops:
+          kinds.setdefault((masked, part), []).append((lo, hi))
+        for (masked, part), ranges in kinds.items():
           hit = functools.reduce(lambda x, y: x | y,
                                  [(lo <= w_lo) & (w_lo < hi) for lo, hi in ranges])
           carry = lax.fori_loop(w_lo, w_lo + hit.astype(jnp.int32), functools.partial(
-              compute_step, masked=masked, half=half, also=also), carry)
-      for lo, hi, masked, half, edge in loops:
+              compute_step, masked=masked, part=part, also=also), carry)
+      for lo, hi, masked, part, edge in loops:
         if not masked:
           carry = lax.fori_loop(from_second(lo), hi, functools.partial(
               compute_step, masked=False), carry)
           continue
         for x, y, sides in one_sided(lo, hi, edge):
           carry = lax.fori_loop(from_second(x), y, functools.partial(
-              compute_step, masked=True, half=half, sides=sides), carry)
+              compute_step, masked=True, part=part, sides=sides), carry)
     lax.fori_loop(w_hi, t_hi, skip_step, None)
     acc, m, l = carry
     if early_next_q:
