@@ -23,7 +23,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only warpgroups`` the forward with three compute warpgroups;
 ``--only window`` windows' one-sided edge tiles and the dk/dv kernel's row bounds;
 ``--only off_turn`` the forward's epilogue off the ping-pong turn
-(``epilogue_off_turn``); ``--only overlap`` also runs P in registers.
+(``epilogue_off_turn``); ``--only overlap`` also runs P in registers;
+``--only trim`` the forward's trimmed end tile (``trim_end_tile``).
 """
 import argparse
 import sys
@@ -189,6 +190,27 @@ def off_turn_cases():
       raise SystemExit(f"off-turn case D={d} computed nothing or non-finite values")
 
 
+def trim_cases():
+  """The key tile holding the last key computed in part
+  (``ForwardConfig.trim_end_tile``): 192-key tiles over 256 and 300 keys (64
+  and 128 of the last tile's keys), grid and persistent kernels, and with
+  half edge tiles (256-key tiles, causal)."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  for d, tk, mask, fields in (
+      (128, 256, MaskSpec(), dict(block_kv=192)),
+      (128, 300, MaskSpec(), dict(block_kv=192, persistent=True, num_sms=2)),
+      (64, 300, MaskSpec(causal=True), dict(block_kv=256, half_edge_tiles=True))):
+    q = jax.random.normal(jax.random.key(41), (1, 256, 2, d), jnp.bfloat16)
+    k = jax.random.normal(jax.random.key(42), (1, tk, 2, d), jnp.bfloat16)
+    o, _ = attention_forward(q, k, k, scale=0.09, mask=mask, config=ForwardConfig(
+        trim_end_tile=True, **fields))
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"trimmed end tile, D={d} Tk={tk} {fields}: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"trim case D={d} Tk={tk} computed nothing or non-finite values")
+
+
 def schedule_cases():
   """Causal D = 128's default forward, persistent since the twenty-sixth
   session up to 4096 keys, with its schedule in chunks of the grid's order
@@ -320,7 +342,7 @@ GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
           "softcap": softcap_cases, "defer": defer_cases,
           "warpgroups": warpgroups_cases, "window": window_cases,
-          "off_turn": off_turn_cases}
+          "off_turn": off_turn_cases, "trim": trim_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
