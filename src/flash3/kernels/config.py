@@ -262,6 +262,13 @@ class ForwardConfig:
       anyway; the result equals whole tiles' up to the order of float32
       sums. Needs overlap_softmax and fuse_pv_qk off (their steps keep
       whole tiles). An A/B knob for ragged key lengths and wide tiles.
+    prefetch_segment_ids: with segment ids, a masked step loads its key
+      tile's ids (one per column, from global memory) before issuing its
+      Q K^T instead of after the scores arrive, so the load's latency runs
+      under the matmul. The same values and arithmetic (bitwise equal); the
+      ids' registers are held across the matmul. Offline (ptxas) the loads
+      of the default followed the scores' wait in every masked loop. An A/B
+      knob for packed documents.
   """
 
   block_q: int = 64
@@ -286,6 +293,7 @@ class ForwardConfig:
   one_sided_edges: bool = True
   epilogue_off_turn: bool = False
   trim_end_tile: bool = False
+  prefetch_segment_ids: bool = False
   compute_warpgroups: int = NUM_COMPUTE_WARPGROUPS
 
   def __post_init__(self):
@@ -332,6 +340,7 @@ class ForwardConfig:
           "epilogue_off_turn=True needs defer_epilogue=False; got "
           f"defer_epilogue={self.defer_epilogue}")
     check_bool("trim_end_tile", self.trim_end_tile)
+    check_bool("prefetch_segment_ids", self.prefetch_segment_ids)
     if self.trim_end_tile and (self.overlap_softmax or self.fuse_pv_qk):
       raise ValueError(
           f"trim_end_tile=True needs overlap_softmax=False and fuse_pv_qk=False; "

@@ -807,12 +807,19 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # per-step check cost 2-3% (H200, seventeenth session).
     early_next_q = next_q is not None and separate_o and D > 64
 
+    def load_kv_ids(t, part, width):
+      """The segment ids of tile t's keys (of ``part``), one per column."""
+      k0 = t * block_kv + (0 if part is None else part[0])
+      return plgpu.load(kv_ids_ref.at[batch, pl.ds(k0, width)],
+                        layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
     def scores(s, t, *, masked: bool, part: tuple[int, int] | None = None,
-               sides=tile_mask.SIDES):
+               sides=tile_mask.SIDES, kv_ids=None):
       """Raw Q K_t^T -> scores in the softmax's domain (see ``expo_scale``),
       -inf where tile t is masked; ``part`` (offset, width): s holds only
       those keys of the tile (``key_part``); ``sides``: the row bounds that
-      may cut it."""
+      may cut it; ``kv_ids``: the tile's segment ids when loaded already
+      (``prefetch_segment_ids``), else loaded here."""
       # E03: exp2's argument must be exactly 0 at a row's max. Raw scores
       # give (s - m) * c; scaled ones must be rounded before the max and the
       # subtraction both see them (a plain s * c - m is fused into one FMA by
@@ -827,9 +834,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         k0 = t * block_kv + (0 if part is None else part[0])
         same_doc = None
         if has_segments:
-          kv_ids = plgpu.load(
-              kv_ids_ref.at[batch, pl.ds(k0, s.shape[1])],
-              layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+          if kv_ids is None:
+            kv_ids = load_kv_ids(t, part, s.shape[1])
           same_doc = (lax.broadcast_in_dim(q_ids, s.shape, [0])
                       == lax.broadcast_in_dim(kv_ids, s.shape, [1]))
         # Each row's key range (the mask's and Tk), against the columns: only
@@ -865,9 +871,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return m_new, m_sub, alpha
 
     def softmax(s, t, m, *, masked: bool, part: tuple[int, int] | None = None,
-                sides=tile_mask.SIDES):
+                sides=tile_mask.SIDES, kv_ids=None):
       """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
-      s = scores(s, t, masked=masked, part=part, sides=sides)
+      s = scores(s, t, masked=masked, part=part, sides=sides, kv_ids=kv_ids)
       if config.lazy_rescale:
         m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
       else:
@@ -911,13 +917,18 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         offset, width = part
         k_tile = k_tile.at[pl.ds(offset, width)]
         v_tile = v_tile.at[pl.ds(offset, width)]
+      kv_ids = None
+      if masked and has_segments and config.prefetch_segment_ids:
+        # Issued before Q K^T so that the load's latency (L2 at best) runs
+        # under the matmul; loaded after it, it follows the scores' wait.
+        kv_ids = load_kv_ids(t, part, width)
       s = jax.named_scope("qk")(common.matmul_smem)(
           q_smem, k_tile.transpose((1, 0)), (block_q, width),
           while_running=with_signal(also))
       release["k"].free(slot)
       issue_next_q_after(t)
       p, m_new, alpha = jax.named_scope("softmax")(softmax)(
-          s, t, m, masked=masked, part=part, sides=sides)
+          s, t, m, masked=masked, part=part, sides=sides, kv_ids=kv_ids)
       acc = rescale(acc, alpha)
       l = l * alpha
 
