@@ -9,8 +9,6 @@ CPU; and on an H100/H200 against the reference.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +18,9 @@ from flash3.kernels.config import ForwardConfig
 from flash3.kernels.forward import _half_edges, _tile_ranges, attention_forward
 from flash3.visibility import MaskSpec
 
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _expand_opts,
-                                 assert_matches_opts, make_qkv, run_interpret_opts)
+                                 assert_interpret_knob_close, assert_matches_opts,
+                                 make_qkv)
 
 W = MaskSpec
 
@@ -191,18 +189,10 @@ def test_interpret_half_tiles_match_reference_no_races(case, persistent):
   config = ForwardConfig(block_kv=block_kv, num_stages=2, half_edge_tiles=True,
                          persistent=persistent, num_sms=2,
                          reverse_q_tiles=mask.causal)
-  o, lse = run_interpret_opts(q, k, v, scale=D ** -0.5, mask=mask, config=config,
-                              detect_races=True, **opts)
-  assert not interpret_pallas_call.get_races().races_found
-  assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=mask, **opts)
   # The skipped halves hold only masked keys (exp2(-inf) = 0): the same
   # result as computing whole tiles, up to the order of float32 sums.
-  o1, lse1 = run_interpret_opts(
-      q, k, v, scale=D ** -0.5, mask=mask,
-      config=dataclasses.replace(config, half_edge_tiles=False), **opts)
-  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o1, np.float32),
-                             atol=2e-2, rtol=0)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), atol=1e-5, rtol=0)
+  assert_interpret_knob_close(q, k, v, scale=D ** -0.5, mask=mask, config=config,
+                              field="half_edge_tiles", **opts)
 
 
 # ----------------------------------------------------------------------------

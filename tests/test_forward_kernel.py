@@ -882,6 +882,23 @@ def run_interpret_opts(q, k, v, *, scale, mask, config=None, detect_races=False,
   return out
 
 
+def assert_interpret_knob_close(q, k, v, *, scale, mask, config, field, **opts):
+  """Interpret mode with ``config`` (whose bool ``field`` is on), race
+  detection on: no race, the reference's rule, and the same config with
+  ``field`` off within float32 summation order (o to 2e-2, lse to 1e-5): for
+  knobs that skip only work on invisible keys."""
+  o, lse = run_interpret_opts(q, k, v, scale=scale, mask=mask, config=config,
+                              detect_races=True, **opts)
+  assert not interpret_pallas_call.get_races().races_found
+  assert_matches_opts(o, lse, q, k, v, scale=scale, mask=mask, **opts)
+  o1, lse1 = run_interpret_opts(
+      q, k, v, scale=scale, mask=mask,
+      config=dataclasses.replace(config, **{field: False}), **opts)
+  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o1, np.float32),
+                             atol=2e-2, rtol=0)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), atol=1e-5, rtol=0)
+
+
 def _lengths(seed, B, T, lo=0):
   return jax.random.randint(jax.random.key(seed), (B,), lo, T + 1, jnp.int32)
 
