@@ -94,7 +94,7 @@ def run_interpret(q, k, v, *, scale, mask, config=None, detect_races=False):
 # ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
-    ("block_q", 128), ("block_kv", 96), ("block_kv", 512), ("num_stages", 0),
+    ("block_q", 96), ("block_kv", 96), ("block_kv", 512), ("num_stages", 0),
     ("compute_registers", 300), ("reverse_q_tiles", 1)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
   with pytest.raises(ValueError, match=field):

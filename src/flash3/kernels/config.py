@@ -52,6 +52,11 @@ RESCALE_THRESHOLD = 8.0
 MAX_NAMED_STAGES = sync.MAX_RING_SLOTS
 
 
+# ForwardConfig.block_q=128: the largest (padded) head_dim whose accumulator
+# leaves registers for the scores.
+BLOCK_Q_128_MAX_HEAD_DIM = 64
+
+
 def check_multiple(name: str, value, multiple: int, lo: int, hi: int) -> None:
   """ValueError naming the config field unless value is an int multiple in [lo, hi]."""
   if (not isinstance(value, int) or isinstance(value, bool) or value % multiple
@@ -102,9 +107,14 @@ class ForwardConfig:
 
   Attributes:
     block_q: query rows per compute warpgroup (a CTA covers
-      ``compute_warpgroups * block_q`` rows).
-      Must be 64 (one wgmma M tile; 128 rows would not leave registers for a
-      128-wide accumulator).
+      ``compute_warpgroups * block_q`` rows): 64 (one wgmma M tile), or 128
+      for head_dim <= 64 with two compute warpgroups (each matmul then two
+      M tiles; above 64 the accumulator leaves no registers). 128 rows per
+      warpgroup read each K/V tile once for 256 query rows and halve the
+      work items (and their fixed cost: the first K, the epilogue's
+      hand-over) at the same work per step as 64 rows with twice the keys:
+      with 64-key tiles, offline (ptxas) D = 64 compiles without a spill,
+      causal or not. An A/B knob for D = 64 at short sequences.
     block_kv: keys per K/V tile: a multiple of 64 in [64, 256].
     num_stages: depth of the K/V ring in shared memory, in [1, 8]. The kernel
       uses min(num_stages, number of key tiles) when that is smaller.
@@ -297,8 +307,9 @@ class ForwardConfig:
   compute_warpgroups: int = NUM_COMPUTE_WARPGROUPS
 
   def __post_init__(self):
-    if self.block_q != 64:
-      raise ValueError(f"block_q={self.block_q!r} is not allowed: it must be 64")
+    if type(self.block_q) is not int or self.block_q not in (64, 128):
+      raise ValueError(f"block_q={self.block_q!r} is not allowed: it must be 64 "
+                       "or 128")
     check_multiple("block_kv", self.block_kv, 64, 64, 256)
     check_multiple("num_stages", self.num_stages, 1, 1, 8)
     check_bool("reverse_q_tiles", self.reverse_q_tiles)
@@ -325,6 +336,10 @@ class ForwardConfig:
           f"compute_warpgroups={self.compute_warpgroups} needs pingpong "
           "'handoff' or 'off' (a meeting is for two warpgroups); got "
           f"pingpong={self.pingpong!r}")
+    if self.block_q == 128 and self.compute_warpgroups != 2:
+      raise ValueError(
+          f"block_q=128 needs compute_warpgroups=2; got compute_warpgroups="
+          f"{self.compute_warpgroups}")
     check_registers(self.compute_registers, self.producer_registers,
                     self.compute_warpgroups)
     check_bool("half_edge_tiles", self.half_edge_tiles)
@@ -392,7 +407,13 @@ def persistent_separate_o(config: ForwardConfig, head_dim: int, itemsize: int,
 
 def check_fits(config: ForwardConfig, head_dim: int, itemsize: int,
                *, num_stages: int | None = None, interpret: bool = False) -> None:
-  """Raises ValueError if the config does not fit in shared memory."""
+  """Raises ValueError if the config does not fit in shared memory, or its
+  128-row warpgroups (``ForwardConfig.block_q``) in registers."""
+  if config.block_q > 64 and head_dim > BLOCK_Q_128_MAX_HEAD_DIM:
+    raise ValueError(
+        f"block_q={config.block_q} needs head_dim <= {BLOCK_Q_128_MAX_HEAD_DIM} "
+        f"(a ({config.block_q}, head_dim) float32 accumulator per warpgroup); got "
+        f"head_dim={head_dim}")
   need = forward_smem_bytes(config, head_dim, itemsize, num_stages=num_stages,
                             interpret=interpret)
   if need > SMEM_LIMIT_BYTES:
