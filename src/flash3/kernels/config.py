@@ -277,8 +277,9 @@ class ForwardConfig:
       Q K^T instead of after the scores arrive, so the load's latency runs
       under the matmul. The same values and arithmetic (bitwise equal); the
       ids' registers are held across the matmul. Offline (ptxas) the loads
-      of the default followed the scores' wait in every masked loop. An A/B
-      knob for packed documents.
+      of the default followed the scores' wait in every masked loop. It acts
+      on the plain step only: with overlap_softmax or fuse_pv_qk the ids
+      are still loaded after the scores. An A/B knob for packed documents.
   """
 
   block_q: int = 64

@@ -1199,10 +1199,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                  + [(b, w_hi, True, (0, hw), "upper")])
       end = _trimmed_end(Tk, block_kv) if config.trim_end_tile else None
       if end is not None:
-        # The tile holding key Tk - 1 comes last in key order: it can only
-        # lie in a loop on the upper edge (by the mask, or by Tk alone, the
-        # tiles [m1, m2) end below it). Its loop's last trip is peeled off
-        # with fewer keys.
+        # The tile holding key Tk - 1 comes last in key order, so it lies in
+        # an upper-edge loop (the unmasked tiles [m1, m2) end below it), and
+        # that loop's last trip is peeled off with fewer keys. Only where a
+        # window narrower than a tile puts it in a lower-edge loop does it
+        # keep all its keys (masked, so still exact).
         t_end, w_end = end
         split = []
         for lo, hi, masked, part, edge in loops:
