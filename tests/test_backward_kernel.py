@@ -887,7 +887,7 @@ def test_interpret_e11_lengths_equal_t():
   _e11_case(5, True, masks=(CAUSAL_BR,))
 
 
-def _e07_lengths_case(interpret, D=64, N=2, K=1):
+def _e07_lengths_case(interpret, D=64, N=2, K=1, config=None):
   """NaN/inf/1e30 in q, do rows past q_len and k, v rows past kv_len change
   no gradient of a valid row; invalid rows get exactly 0."""
   B, Tq, Tk = 2, 150, 140
@@ -911,9 +911,9 @@ def _e07_lengths_case(interpret, D=64, N=2, K=1):
   lse_bad = jnp.where(jnp.isneginf(lse), 3.0, lse)
   o_bad = corrupt(o, opts["q_lengths"])
   clean = run_opts(q, k, v, do, scale=0.1, mask=mask, opts=opts,
-                   interpret=interpret, o_lse=o_lse)
+                   interpret=interpret, o_lse=o_lse, config=config)
   dirty = run_opts(qb, kb, vb, dob, scale=0.1, mask=mask, opts=opts,
-                   interpret=interpret, o_lse=(o_bad, lse_bad))
+                   interpret=interpret, o_lse=(o_bad, lse_bad), config=config)
   for name, a, b in zip(("dq", "dk", "dv"), clean, dirty):
     np.testing.assert_array_equal(_f32(a), _f32(b), err_msg=name)
   assert np.isfinite(_f32(dirty[0])).all()

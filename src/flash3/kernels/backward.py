@@ -5,7 +5,9 @@ FlashAttention-3 (Shah et al., 2024), Section 3 and Appendix B.1, into two
 warp-specialised Mosaic GPU kernels that never write atomics (so gradients are
 bitwise deterministic):
 
-* delta = rowsum(o * do) in float32 (XLA; one fused pass over o and do).
+* delta = rowsum(o * do) in float32 (XLA; one fused pass over o and do; or,
+  with ``BackwardConfig.fuse_delta``, formed in the dq kernel from o tiles
+  loaded beside q and do, and written there for the dk/dv kernel).
 * dq kernel, one CTA per (query head, ``compute_wgs * block_q`` queries, batch):
   each compute warpgroup holds its q, do, lse, delta tile and walks the key
   tiles its queries can see while a producer warpgroup streams K and V through
@@ -137,21 +139,24 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def backward_residuals(o, lse, do, pad_to: int, delta=None):
+def backward_residuals(o, lse, do, pad_to: int, delta=None, fused: bool = False):
   """lse * log2(e) (+inf where lse = -inf) and delta = rowsum(o * do), float32.
 
   Both (B, N, Tq padded to a multiple of ``pad_to``); padded rows get lse +inf
   (p = 0) and delta 0. The padding is of these small vectors only. A given
-  ``delta`` (B, N, <= Tq) is used instead of rowsum(o * do).
+  ``delta`` (B, N, <= Tq) is used instead of rowsum(o * do). ``fused``: delta
+  is left to the dq kernel (``BackwardConfig.fuse_delta``) and returned None.
   """
   length = _round_up(o.shape[1], pad_to)
+  pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])),
+                                constant_values=fill)
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * common.LOG2_E)
+  if fused:
+    return pad(lse2, jnp.inf), None
   if delta is None:
     delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
                        do.astype(jnp.float32))
   delta = delta.astype(jnp.float32)
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * common.LOG2_E)
-  pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])),
-                                constant_values=fill)
   return pad(lse2, jnp.inf), pad(delta, 0.0)
 
 
@@ -289,7 +294,9 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     pad = ((0, 0), (0, kv8 - kv_len), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
-  lse2, delta = backward_residuals(o, lse, do, pad_to, delta)
+  # The dq kernel forms delta itself when asked (and none is given).
+  fused = config.fuse_delta and delta is None
+  lse2, delta = backward_residuals(o, lse, do, pad_to, delta, fused=fused)
   if lengths is not None:
     # Rows past q_len or seeing no key: p = 0 (lse +inf) and delta 0,
     # whatever o, do (NaN there makes delta NaN) or lse hold.
@@ -297,7 +304,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     (q_lo, q_hi), _ = bounds
     ok = (rows >= q_lo[:, None, None]) & (rows < q_hi[:, None, None])
     lse2 = jnp.where(ok, lse2, jnp.inf)
-    delta = jnp.where(ok, delta, 0.0)
+    if not fused:  # The fused delta is 0 wherever lse2 is +inf.
+      delta = jnp.where(ok, delta, 0.0)
   scale = float(scale)
   kwargs = dict(q_len=q_len, kv_len=kv_len, scale=scale, mask=mask,
                 config=config, interpret=interpret, lengths=lengths, bounds=bounds,
@@ -312,7 +320,10 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                           dq_mode=mode, **kwargs)
     dq = (dq * scale).astype(q.dtype)
     return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
-  dq = dq_call(q, k, v, do, lse2, delta, segments=dq_segments, **kwargs)
+  if fused:
+    dq, delta = dq_call(q, k, v, do, lse2, None, segments=dq_segments, o=o, **kwargs)
+  else:
+    dq = dq_call(q, k, v, do, lse2, delta, segments=dq_segments, **kwargs)
   kwargs["segments"] = dkv_segments
   if config.split_dkv:
     (dk,) = dkv_call(q, k, v, do, lse2, delta, outputs=("dk",), **kwargs)

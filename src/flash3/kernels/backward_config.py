@@ -151,6 +151,18 @@ class BackwardConfig:
       H200 (thirty-first session, causal window of 1024, T=16384, two runs),
       with one_sided_edges: the D=64 backward 5.7% faster (264 -> 279
       TFLOP/s; either alone +0-1%), D=128 within 1%.
+    fuse_delta: the dq kernel forms delta = rowsum(o * do) (float32) itself,
+      each warpgroup from an o tile loaded beside its q and do tiles, and
+      writes it out for the dk/dv kernel, instead of a separate XLA pass over
+      o and do before both kernels. That pass reads all of o and do at about
+      the card's bandwidth: 36 us at B*T = 16384, N*D = 2048 on an H200
+      (twenty-sixth session), 6% of the T = 512 causal backward at D = 64,
+      0.7% at T = 16384. Costs one (block_q_dq, D) tile of shared memory per
+      dq warpgroup. Needs ``deterministic`` (the dq kernel) and
+      ``block_q_dkv`` dividing ``compute_wgs_dq * block_q_dq`` (the dq grid
+      then writes every row the dk/dv kernel reads). Without it, or when the
+      caller passes ``delta``, XLA forms delta. Untimed (thirty-fourth
+      session): off by default.
   """
 
   block_q_dq: int = 64
@@ -175,6 +187,7 @@ class BackwardConfig:
   fold_softcap: bool = True
   one_sided_edges: bool = True
   dkv_row_bounds: bool = False
+  fuse_delta: bool = False
 
   @property
   def stages_dkv(self) -> int:
@@ -193,7 +206,7 @@ class BackwardConfig:
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap",
-                 "one_sided_edges", "dkv_row_bounds"):
+                 "one_sided_edges", "dkv_row_bounds", "fuse_delta"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):
@@ -211,6 +224,13 @@ class BackwardConfig:
           f"share_dq=True needs deterministic=False and compute_wgs_dkv=2 (two "
           f"warpgroups that share dq); got deterministic={self.deterministic}, "
           f"compute_wgs_dkv={self.compute_wgs_dkv}")
+    if self.fuse_delta and (not self.deterministic or (
+        self.compute_wgs_dq * self.block_q_dq) % self.block_q_dkv):
+      raise ValueError(
+          f"fuse_delta=True needs deterministic=True (the dq kernel forms delta) "
+          f"and block_q_dkv dividing compute_wgs_dq * block_q_dq; got "
+          f"deterministic={self.deterministic}, block_q_dkv={self.block_q_dkv}, "
+          f"compute_wgs_dq={self.compute_wgs_dq}, block_q_dq={self.block_q_dq}")
     if not self.deterministic and (self.split_dkv or self.block_q_dkv != 64):
       raise ValueError(
           f"deterministic=False needs split_dkv=False and block_q_dkv=64 (one "
@@ -223,6 +243,8 @@ class BackwardConfig:
     w, s = self.compute_wgs_dq, self.num_stages
     bq, bk = self.block_q_dq, self.block_kv_dq
     dq = w * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
+    if self.fuse_delta:
+      dq += w * bq * head_dim * itemsize  # o
     dq += s * 2 * bk * head_dim * itemsize  # K, V ring
     if interpret:
       dq += w * bq * bk * itemsize  # ds staging

@@ -20,8 +20,15 @@ from flash3.kernels import common, end_tiles, tile_mask
 
 
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
-            interpret, lengths=None, bounds=None, segments=None, softcap=None):
+            interpret, lengths=None, bounds=None, segments=None, softcap=None,
+            o=None):
   """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
+
+  ``o``: None, or (with ``delta`` None) the forward's output, shaped as q:
+  then each warpgroup forms its rows' delta = rowsum(o * do) in float32 from
+  an o tile (0 where lse2 is +inf: rows that see nothing) and the call
+  returns (dq, delta), delta (B, N, lse2's length) for the dk/dv kernel
+  (``BackwardConfig.fuse_delta``; the grid must cover every row of lse2).
 
   ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths;
   with them ``bounds``, the kept query rows and keys (``tiles.length_extras``).
@@ -39,10 +46,22 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   num_q_tiles = pl.cdiv(q_len, wgs * bq)
   extra = tiles.length_extras(q, k, v, do, lengths, bounds, block_q=bq,
                               block_kv=bk) + ((*segments,) if segments is not None else ())
+  fuse = o is not None
+  if fuse and (delta is not None or num_q_tiles * wgs * bq != lse2.shape[2]):
+    raise ValueError(
+        f"dq_call: o is given with delta={None if delta is None else delta.shape} "
+        f"and lse2 of {lse2.shape[2]} rows, where the grid covers "
+        f"{num_q_tiles * wgs * bq}; the fused delta needs delta None and equal rows")
 
   def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-    extra_refs, rest = rest[:len(extra)], rest[len(extra):]
-    (dq_ref, q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
+    extra_refs, rest = rest[:len(extra)], list(rest[len(extra):])
+    if fuse:  # o comes in delta's place; delta goes out beside dq.
+      o_ref, delta_ref = delta_ref, None
+      o_bars, o_smem2 = rest.pop(), rest.pop()
+      dq_ref, delta_out = rest.pop(0), rest.pop(0)
+    else:
+      dq_ref = rest.pop(0)
+    (q_smem2, do_smem2, lse_smem2, delta_smem2, k_ring, v_ring,
      staging2, q_bars, do_bars, lse_bars, delta_bars,
      k_bars, v_bars, consumed) = rest
     b = lax.axis_index(common.BATCH_AXIS)
@@ -82,12 +101,43 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
                           do_bars.at[wg])
       vec = (b, h, pl.ds(q_lo, bq))
       plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem, lse_bars.at[wg])
-      plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
-      for bars in (q_bars, do_bars, lse_bars, delta_bars):
+      if fuse:
+        # Rows of o outside a batch row's lengths may hold anything: their
+        # delta is selected to 0 below, row by row, so no end tiles for o.
+        o_smem = o_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem, o_bars.at[wg])
+        waits = (q_bars, do_bars, lse_bars, o_bars)
+      else:
+        plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
+        waits = (q_bars, do_bars, lse_bars, delta_bars)
+      for bars in waits:
         plgpu.barrier_wait(bars.at[wg])
       row = plgpu.Layout.WGMMA.reduce(1)
       lse2_row = plgpu.load(lse_smem, layout=row)
-      delta_row = plgpu.load(delta_smem, layout=row)
+      if fuse:
+        # delta = rowsum(o * do) in float32, as backward_residuals forms it
+        # in XLA, where that pass over o and do took about as long as
+        # reading them (36 us at B*T=16384, N*D=2048 on an H200: 6% of the
+        # T=512 causal backward). Here o's tile loads beside q's and do's.
+        # In 128-column pieces: at D = 256 two whole tiles in registers
+        # spilled in the dq loop (ptxas).
+        wgmma, width = plgpu.Layout.WGMMA, min(head_dim, 128)
+        delta_row = None
+        for c in range(0, head_dim, width):
+          cols = (slice(None), pl.ds(c, width))
+          part = jnp.sum(
+              plgpu.load(o_smem.at[cols], layout=wgmma).astype(jnp.float32)
+              * plgpu.load(do_smem.at[cols], layout=wgmma).astype(jnp.float32), axis=1)
+          delta_row = part if delta_row is None else delta_row + part
+        # Rows that see nothing (lse2 +inf: past q_len, fully masked, padding)
+        # get 0, as backward.py selects for the XLA delta: p = 0 there, and
+        # 0 * NaN would poison ds.
+        delta_row = jnp.where(lse2_row == jnp.inf, 0.0, delta_row)
+        delta_smem[...] = delta_row
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(delta_smem, delta_out.at[vec])
+      else:
+        delta_row = plgpu.load(delta_smem, layout=row)
       t_lo, a, b_full, t_hi = tiles.own_sections(plan_of(q_lo), cta_lo, cta_hi)
       if seg_refs is not None:  # This warpgroup's query ids, one per row.
         q_seg = plgpu.load(seg_refs[0].at[b, pl.ds(q_lo, bq)], layout=row,
@@ -225,14 +275,23 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
+  out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+  if fuse:
+    scratch += [tile(wgs, bq, head_dim), plgpu.Barrier(num_barriers=wgs)]
+    out_type = (out_type, jax.ShapeDtypeStruct(lse2.shape, jnp.float32))
   return plgpu.kernel(
       dq_kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      out_type=out_type,
       scratch_types=scratch,
       grid=(num_heads, num_q_tiles, batch),
       grid_names=(common.HEADS_AXIS, common.Q_TILES_AXIS, common.BATCH_AXIS),
       num_threads=wgs + 1,
       thread_name=common.WG_AXIS,
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      # With the o tile, D = 128 and 256 fit only without Pallas's 2 KB of
+      # cross-warp reduction scratch: the kernel reduces along rows only,
+      # within a warp (a cross-warp reduction would fail to lower,
+      # tests/test_forward_kernel.py).
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, **(dict(reduction_scratch_bytes=0) if fuse else {})),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, do, lse2, delta, *extra)
+  )(q, k, v, do, lse2, o if fuse else delta, *extra)
