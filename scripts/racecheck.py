@@ -24,7 +24,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only window`` windows' one-sided edge tiles and the dk/dv kernel's row bounds;
 ``--only off_turn`` the forward's epilogue off the ping-pong turn
 (``epilogue_off_turn``); ``--only overlap`` also runs P in registers;
-``--only trim`` the forward's trimmed end tile (``trim_end_tile``).
+``--only trim`` the forward's trimmed end tile (``trim_end_tile``);
+``--only delta`` the backward's delta formed in the dq kernel (``fuse_delta``).
 """
 import argparse
 import sys
@@ -337,12 +338,39 @@ def window_cases():
         raise SystemExit(f"window case D={d} {kw}: non-finite values")
 
 
+def delta_cases():
+  """The backward with delta formed in the dq kernel (``BackwardConfig.fuse_delta``):
+  the o and dlse tiles' loads, the row sums and delta's store, at D = 64, 128
+  and 256 (one dq warpgroup), causal bottom-right with rows that see no key,
+  and with lengths. Each run's dq, dk, dv must be finite and nonzero."""
+  import dataclasses
+  from flash3.kernels.forward import attention_forward
+  keys = jax.random.split(jax.random.key(6), 5)
+  mask = MaskSpec(causal=True, alignment="bottom_right")
+  for d, lengths in ((64, False), (128, False), (256, False), (128, True)):
+    q, do = (jax.random.normal(kk, (1, 264, 2, d), jnp.bfloat16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, 200, 1, d), jnp.bfloat16) for kk in keys[2:4])
+    dlse = jax.random.normal(keys[4], (1, 2, 264))
+    lens = dict(q_lengths=jnp.array([250]), kv_lengths=jnp.array([190])) if lengths else {}
+    o, lse = attention_forward(q, k, v, scale=0.2, mask=mask, **lens)
+    config = dataclasses.replace(BackwardConfig.heuristic(d, 264, 200, mask),
+                                 fuse_delta=True)
+    grads = attention_backward(q, k, v, o, lse, do, scale=0.2, mask=mask,
+                               config=config, dlse=dlse, **lens)
+    finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+    nonzero = [int(jnp.count_nonzero(g)) for g in grads]
+    print(f"fused delta backward, D={d}, lengths {lengths}: finite {finite}, "
+          f"nonzero (dq, dk, dv) {nonzero}")
+    if not (finite and min(nonzero) > 0):
+      raise SystemExit(f"fused delta case D={d} computed nothing or non-finite values")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
           "softcap": softcap_cases, "defer": defer_cases,
           "warpgroups": warpgroups_cases, "window": window_cases,
-          "off_turn": off_turn_cases, "trim": trim_cases}
+          "off_turn": off_turn_cases, "trim": trim_cases, "delta": delta_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -52,7 +52,7 @@ def test_config_rules():
     BackwardConfig(fuse_delta=True, compute_wgs_dq=1, block_q_dq=64, block_q_dkv=128)
   with pytest.raises(ValueError, match="fuse_delta"):
     BackwardConfig(fuse_delta=1)
-  # The o tile: one (block_q_dq, D) tile per dq warpgroup.
+  # One (block_q_dq, D) o tile per dq warpgroup (dlse loads into delta's row).
   plain, fuse = BackwardConfig(), BackwardConfig(fuse_delta=True)
   assert fuse.smem_bytes(128)[0] - plain.smem_bytes(128)[0] == 2 * 64 * 128 * 2
   assert fuse.smem_bytes(128)[1] == plain.smem_bytes(128)[1]
@@ -84,17 +84,19 @@ def test_interpret_matches_reference(B, Tq, Tk, N, K, D, dtype, mask, do_ones):
         interpret=True, seed=Tq + 2 * Tk)
 
 
-def _deltas(B, Tq, Tk, N, K, D, mask, config, *, o_fn=None):
-  """(the dq kernel's delta, XLA's delta, lse2, dq fused, dq from XLA's delta)."""
+def _deltas(B, Tq, Tk, N, K, D, mask, config, *, o_fn=None, dlse=None):
+  """(the dq kernel's delta, XLA's delta, lse2, dq fused, dq from XLA's delta);
+  both deltas with ``dlse`` (B, N, Tq) subtracted when given."""
   q, k, v, do = make_inputs(jax.random.key(Tq), B, Tq, Tk, N, K, D, BF16)
   o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=mask)
   o = o if o_fn is None else o_fn(o, lse)
   pad_to = config.block_q_dq * config.compute_wgs_dq
-  lse2, _ = backward.backward_residuals(o, lse, do, pad_to, fused=True)
-  _, delta = backward.backward_residuals(o, lse, do, pad_to)
+  lse2, dlse2 = backward.backward_residuals(o, lse, do, pad_to, fused=True, dlse=dlse)
+  _, delta = backward.backward_residuals(o, lse, do, pad_to, dlse=dlse)
+  delta = jnp.where(jnp.isinf(lse2), 0.0, delta)  # as the kernel (and lengths) select
   kwargs = dict(q_len=Tq, kv_len=Tk, scale=0.125, mask=mask, config=config,
                 interpret=plgpu.InterpretGPUParams(detect_races=True))
-  dq, got = backward_dq.dq_call(q, k, v, do, lse2, None, o=o, **kwargs)
+  dq, got = backward_dq.dq_call(q, k, v, do, lse2, None, o=o, dlse=dlse2, **kwargs)
   jax.block_until_ready(got)
   assert not interpret_pallas_call.get_races().races_found, "race in the dq kernel"
   dq_xla = backward_dq.dq_call(q, k, v, do, lse2, delta, **kwargs)
@@ -102,13 +104,19 @@ def _deltas(B, Tq, Tk, N, K, D, mask, config, *, o_fn=None):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("mask,Tq,Tk", [(CAUSAL_BR, 200, 150), (NO_MASK, 136, 72)])
-def test_interpret_delta_equals_xla(mask, Tq, Tk):
-  """The kernel's delta is XLA's rowsum(o * do) up to float32 summation
-  order, exactly 0 where lse2 is +inf (dead and padded rows), and dq is
-  the same as from XLA's delta; no races."""
+@pytest.mark.parametrize("mask,Tq,Tk,with_dlse", [(CAUSAL_BR, 200, 150, False),
+                                                  (NO_MASK, 136, 72, False),
+                                                  (CAUSAL_BR, 200, 150, True)])
+def test_interpret_delta_equals_xla(mask, Tq, Tk, with_dlse):
+  """The kernel's delta is XLA's rowsum(o * do) - dlse up to float32
+  summation order, exactly 0 where lse2 is +inf (dead and padded rows), and
+  dq is the same as from XLA's delta; no races between warpgroups and the
+  TMA (interpret mode checks at warpgroup level; dlse loads into the row
+  buffer that delta is stored from, whose ordering across the threads of one
+  warpgroup is compute-sanitizer's part: scripts/racecheck.py --only delta)."""
   config = fused(64, Tq, Tk, mask)
-  got, want, lse2, dq, dq_xla = _deltas(1, Tq, Tk, 2, 1, 64, mask, config)
+  dlse = jax.random.normal(jax.random.key(9), (1, 2, Tq)) if with_dlse else None
+  got, want, lse2, dq, dq_xla = _deltas(1, Tq, Tk, 2, 1, 64, mask, config, dlse=dlse)
   assert got.shape == lse2.shape == want.shape
   dead = np.isinf(lse2)
   assert dead[..., Tq:].all()
@@ -178,6 +186,41 @@ def test_interpret_given_delta_wins():
   # dq changes with delta (ds = p (dp - delta)); a fused delta would ignore it.
   assert not np.array_equal(np.asarray(shifted[0], np.float32),
                             np.asarray(plain[0], np.float32))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("fuse", [True, False])
+def test_interpret_dlse_reaches_gradients(fuse):
+  """lse's cotangent given as dlse: the fused dq kernel subtracts it from its
+  delta (the unfused path in XLA); both match jax.grad of the reference
+  with that cotangent. Passing delta and dlse together is an error."""
+  from test_backward_kernel import FACTOR, reference_grads
+  B, Tq, Tk, N, K, D = 1, 100, 150, 2, 1, 64
+  q, k, v, do = make_inputs(jax.random.key(4), B, Tq, Tk, N, K, D, F16)
+  mask, scale = CAUSAL_BR, 0.125
+  dlse = jax.random.normal(jax.random.key(5), (B, N, Tq))
+  o, lse = kernel_inputs(q, k, v, do, scale=scale, mask=mask)
+  config = fused(64, Tq, Tk, mask) if fuse else None
+  grads = backward.attention_backward(q, k, v, o, lse, do, scale=scale, mask=mask,
+                                      config=config, interpret=True, dlse=dlse)
+  ref = reference_grads(q, k, v, do, scale=scale, mask=mask, dlse=dlse)[2:]
+  low = reference_grads(q, k, v, do, scale=scale, mask=mask, dlse=dlse,
+                        low_precision=True)[2:]
+  without = reference_grads(q, k, v, do, scale=scale, mask=mask)[2]
+  for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+    got, r = np.asarray(got, np.float32), np.asarray(r, np.float32)
+    err = np.max(np.abs(got - r))
+    low_err = np.max(np.abs(np.asarray(lo, np.float32) - r))
+    assert err <= FACTOR * low_err + 1e-3 * max(1, np.max(np.abs(r))), (name, err)
+  # The cotangent matters: dq without it is far from dq with it.
+  assert np.max(np.abs(np.asarray(without) - np.asarray(ref[0]))) > 10 * np.max(
+      np.abs(np.asarray(grads[0], np.float32) - np.asarray(ref[0])))
+  with pytest.raises(ValueError, match="not both"):
+    backward.attention_backward(q, k, v, o, lse, do, scale=scale, mask=mask,
+                                config=config, interpret=True, dlse=dlse, delta=dlse)
+  with pytest.raises(ValueError, match="dlse has shape"):
+    backward.attention_backward(q, k, v, o, lse, do, scale=scale, mask=mask,
+                                config=config, interpret=True, dlse=dlse[:, :, 1:])
 
 
 @pytest.mark.parametrize("D,mask", [(64, CAUSAL_BR), (128, NO_MASK), (256, CAUSAL_BR)])

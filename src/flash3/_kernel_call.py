@@ -132,10 +132,13 @@ def _forward_call(static: KernelArgs, names: tuple[str, ...]):
 
 
 @functools.cache
-def _backward_call(static: KernelArgs, names: tuple[str, ...]):
+def _backward_call(static: KernelArgs, names: tuple[str, ...], shift: str):
+  """``shift``: what the seventh argument is, "delta" (rowsum(o * do) - dlse,
+  formed in XLA) or "dlse" (lse's cotangent: the backward forms delta, in
+  the dq kernel with ``BackwardConfig.fuse_delta``)."""
   from flash3.kernels.backward import attention_backward
 
-  def backward(q5, k, v, o5, lse, do5, delta, *extra_values):
+  def backward(q5, k, v, o5, lse, do5, row, *extra_values):
     B, T, K, G, _ = q5.shape
     extra = _kernel_extras(names, extra_values)
     extra.pop("sinks", None)  # Inside lse already; its gradient is done in XLA.
@@ -145,7 +148,7 @@ def _backward_call(static: KernelArgs, names: tuple[str, ...]):
         sharding.merge_heads(q5), k, v, sharding.merge_heads(o5),
         lse.reshape(B, K * G, T), sharding.merge_heads(do5),
         scale=static.scale, mask=static.spec, interpret=static.interpret,
-        delta=delta.reshape(B, K * G, T), deterministic=static.deterministic,
+        deterministic=static.deterministic, **{shift: row.reshape(B, K * G, T)},
         **extra)
     return sharding.split_heads(dq, K), dk, dv
 
@@ -204,14 +207,20 @@ def _backward(static: KernelArgs, residuals, cotangents):
   K = k.shape[2]
   # delta_i = rowsum(o * do), float32 (FlashAttention-2, section 3.1.2). The
   # lse cotangent enters as a shift of it: d lse_i / d s_ij = p_ij, so
-  # ds_ij = p_ij * (dp_ij - (delta_i - dlse_i)).
-  delta = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-  delta = delta - dlse
+  # ds_ij = p_ij * (dp_ij - (delta_i - dlse_i)). The sinks' gradient needs
+  # delta here; otherwise the backward forms it from dlse (in its dq kernel
+  # when the config fuses it, without a pass over o and do in XLA).
+  if extras.sinks is not None:
+    delta = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = delta - dlse
+    shift, row = "delta", delta
+  else:
+    shift, row = "dlse", dlse.astype(jnp.float32)
   split = functools.partial(sharding.split_heads, num_kv_heads=K)
   names, values = _flat_extras(extras, K)
-  dq5, dk, dv = _backward_call(static, names)(
+  dq5, dk, dv = _backward_call(static, names, shift)(
       split(q), k, v, split(o), lse.reshape(B, K, N // K, T), split(do),
-      delta.reshape(B, K, N // K, T), *values)
+      row.reshape(B, K, N // K, T), *values)
   if extras.sinks is not None:
     # d sink_n = -sum_{b,i} exp(sink_n - lse_bni) * (delta_bni - dlse_bni).
     sink = extras.sinks.astype(jnp.float32)[None, :, None]

@@ -139,23 +139,30 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def backward_residuals(o, lse, do, pad_to: int, delta=None, fused: bool = False):
-  """lse * log2(e) (+inf where lse = -inf) and delta = rowsum(o * do), float32.
+def backward_residuals(o, lse, do, pad_to: int, delta=None, fused: bool = False,
+                       dlse=None):
+  """lse * log2(e) (+inf where lse = -inf) and delta = rowsum(o * do) - dlse,
+  float32.
 
   Both (B, N, Tq padded to a multiple of ``pad_to``); padded rows get lse +inf
   (p = 0) and delta 0. The padding is of these small vectors only. A given
-  ``delta`` (B, N, <= Tq) is used instead of rowsum(o * do). ``fused``: delta
-  is left to the dq kernel (``BackwardConfig.fuse_delta``) and returned None.
+  ``delta`` (B, N, <= Tq) is used instead of rowsum(o * do) - dlse; ``dlse``
+  (lse's cotangent, same shape) is 0 when None. ``fused``: delta is left to
+  the dq kernel (``BackwardConfig.fuse_delta``): the second result is the
+  padded dlse (or None) instead.
   """
   length = _round_up(o.shape[1], pad_to)
   pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])),
                                 constant_values=fill)
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * common.LOG2_E)
   if fused:
-    return pad(lse2, jnp.inf), None
+    return pad(lse2, jnp.inf), None if dlse is None else pad(
+        dlse.astype(jnp.float32), 0.0)
   if delta is None:
     delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
                        do.astype(jnp.float32))
+    if dlse is not None:  # (o may have rows of padding that dlse lacks)
+      delta = pad(delta, 0.0) - pad(dlse.astype(jnp.float32), 0.0)
   delta = delta.astype(jnp.float32)
   return pad(lse2, jnp.inf), pad(delta, 0.0)
 
@@ -190,6 +197,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
                        config: BackwardConfig | None = None,
                        interpret: bool | plgpu.InterpretGPUParams = False,
                        delta: jax.Array | None = None,
+                       dlse: jax.Array | None = None,
                        q_lengths=None, kv_lengths=None,
                        q_segment_ids=None, kv_segment_ids=None,
                        softcap: float | None = None, deterministic: bool = True):
@@ -207,8 +215,10 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     interpret: False for the GPU, True or ``plgpu.InterpretGPUParams`` to run
       in GPU interpret mode on the CPU.
     delta: optional (B, N, Tq) float32 to use in ds = p * (dp - delta);
-      None computes rowsum(o * do) in float32. (Pass rowsum(o * do) - dlse
-      to include a cotangent of lse.)
+      None computes rowsum(o * do) - dlse in float32 (in XLA, or in the dq
+      kernel with ``BackwardConfig.fuse_delta``).
+    dlse: optional (B, N, Tq) float32 cotangent of lse (0 when None); not
+      together with ``delta``.
     q_lengths, kv_lengths: None or (B,) int32 valid lengths (one alone: the
       other is full), as in ``attention_forward``: rows i >= q_len get dq = 0,
       keys j >= kv_len get dk = dv = 0, neither contributes anything, and
@@ -226,8 +236,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
 
   Raises:
     ValueError: unsupported shapes or dtypes (see ``unsupported_reason``), a
-      config that does not fit shared memory, or malformed lengths, segment
-      ids or soft cap.
+      config that does not fit shared memory, malformed lengths, segment
+      ids or soft cap, a delta or dlse of the wrong shape, or both given.
   """
   if (reason := unsupported_reason(q.shape, k.shape, q.dtype, mask)) is not None:
     raise ValueError(f"attention_backward: {reason}")
@@ -238,7 +248,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     padded = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, _round_up(d, 64) - d),))
     grads = attention_backward(
         padded(q), padded(k), padded(v), padded(o), lse, padded(do), scale=scale,
-        mask=mask, config=config, interpret=interpret, delta=delta,
+        mask=mask, config=config, interpret=interpret, delta=delta, dlse=dlse,
         q_lengths=q_lengths, kv_lengths=kv_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, softcap=softcap, deterministic=deterministic)
     return tuple(g[..., :d] for g in grads)
@@ -250,8 +260,12 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   b, q_len, n, head_dim = q.shape
   if lse.shape != (b, n, q_len):
     raise ValueError(f"lse has shape {lse.shape}; expected {(b, n, q_len)}")
-  if delta is not None and delta.shape != (b, n, q_len):
-    raise ValueError(f"delta has shape {delta.shape}; expected {(b, n, q_len)}")
+  for name, x in (("delta", delta), ("dlse", dlse)):
+    if x is not None and x.shape != (b, n, q_len):
+      raise ValueError(f"{name} has shape {x.shape}; expected {(b, n, q_len)}")
+  if delta is not None and dlse is not None:
+    raise ValueError("attention_backward: pass delta (which includes -dlse) or "
+                     "dlse, not both")
   if config is None:
     config = BackwardConfig.heuristic(head_dim, q_len, k.shape[1], mask,
                                       interpret=common.is_interpret(interpret),
@@ -296,7 +310,9 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
   # The dq kernel forms delta itself when asked (and none is given).
   fused = config.fuse_delta and delta is None
-  lse2, delta = backward_residuals(o, lse, do, pad_to, delta, fused=fused)
+  lse2, second = backward_residuals(o, lse, do, pad_to, delta, fused=fused, dlse=dlse)
+  # Fused: the padded dlse for the dq kernel; else delta (with -dlse in it).
+  delta, dlse = (None, second) if fused else (second, None)
   if lengths is not None:
     # Rows past q_len or seeing no key: p = 0 (lse +inf) and delta 0,
     # whatever o, do (NaN there makes delta NaN) or lse hold.
@@ -321,7 +337,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
     dq = (dq * scale).astype(q.dtype)
     return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
   if fused:
-    dq, delta = dq_call(q, k, v, do, lse2, None, segments=dq_segments, o=o, **kwargs)
+    dq, delta = dq_call(q, k, v, do, lse2, None, segments=dq_segments, o=o,
+                        dlse=dlse, **kwargs)
   else:
     dq = dq_call(q, k, v, do, lse2, delta, segments=dq_segments, **kwargs)
   kwargs["segments"] = dkv_segments

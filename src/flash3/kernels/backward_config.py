@@ -244,7 +244,7 @@ class BackwardConfig:
     bq, bk = self.block_q_dq, self.block_kv_dq
     dq = w * (2 * bq * head_dim * itemsize + 2 * bq * 4)  # q, do, lse, delta
     if self.fuse_delta:
-      dq += w * bq * head_dim * itemsize  # o
+      dq += w * bq * head_dim * itemsize  # o (lse's cotangent loads into delta's row)
     dq += s * 2 * bk * head_dim * itemsize  # K, V ring
     if interpret:
       dq += w * bq * bk * itemsize  # ds staging

@@ -21,7 +21,7 @@ from flash3.kernels import common, end_tiles, tile_mask
 
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
             interpret, lengths=None, bounds=None, segments=None, softcap=None,
-            o=None):
+            o=None, dlse=None):
   """dq in the input dtype; q_len, kv_len are the true (buffer) lengths.
 
   ``o``: None, or (with ``delta`` None) the forward's output, shaped as q:
@@ -29,6 +29,8 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   an o tile (0 where lse2 is +inf: rows that see nothing) and the call
   returns (dq, delta), delta (B, N, lse2's length) for the dk/dv kernel
   (``BackwardConfig.fuse_delta``; the grid must cover every row of lse2).
+  ``dlse``: None, or with ``o`` lse's cotangent (B, N, lse2's length)
+  float32: delta = rowsum(o * do) - dlse.
 
   ``lengths``: None or (q_len, kv_len) (B,) int32 per-batch valid lengths;
   with them ``bounds``, the kept query rows and keys (``tiles.length_extras``).
@@ -46,7 +48,9 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   num_q_tiles = pl.cdiv(q_len, wgs * bq)
   extra = tiles.length_extras(q, k, v, do, lengths, bounds, block_q=bq,
                               block_kv=bk) + ((*segments,) if segments is not None else ())
-  fuse = o is not None
+  fuse, has_dlse = o is not None, dlse is not None
+  if has_dlse and not fuse:
+    raise ValueError("dq_call: dlse is taken only with o (the fused delta)")
   if fuse and (delta is not None or num_q_tiles * wgs * bq != lse2.shape[2]):
     raise ValueError(
         f"dq_call: o is given with delta={None if delta is None else delta.shape} "
@@ -54,6 +58,8 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         f"{num_q_tiles * wgs * bq}; the fused delta needs delta None and equal rows")
 
   def dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+    if has_dlse:
+      dlse_ref, rest = rest[0], rest[1:]
     extra_refs, rest = rest[:len(extra)], list(rest[len(extra):])
     if fuse:  # o comes in delta's place; delta goes out beside dq.
       o_ref, delta_ref = delta_ref, None
@@ -107,6 +113,9 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
         o_smem = o_smem2.at[wg]
         plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem, o_bars.at[wg])
         waits = (q_bars, do_bars, lse_bars, o_bars)
+        if has_dlse:  # Into delta's buffer: delta itself is not loaded.
+          plgpu.copy_gmem_to_smem(dlse_ref.at[vec], delta_smem, delta_bars.at[wg])
+          waits += (delta_bars,)
       else:
         plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem, delta_bars.at[wg])
         waits = (q_bars, do_bars, lse_bars, delta_bars)
@@ -129,6 +138,10 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
               plgpu.load(o_smem.at[cols], layout=wgmma).astype(jnp.float32)
               * plgpu.load(do_smem.at[cols], layout=wgmma).astype(jnp.float32), axis=1)
           delta_row = part if delta_row is None else delta_row + part
+        if has_dlse:  # lse's cotangent: d lse_i / d s_ij = p_ij shifts delta.
+          delta_row = delta_row - plgpu.load(delta_smem, layout=row)
+          # Every thread's read of dlse before any write of delta over it.
+          plgpu.commit_smem()
         # Rows that see nothing (lse2 +inf: past q_len, fully masked, padding)
         # get 0, as backward.py selects for the XLA delta: p = 0 there, and
         # 0 * NaN would poison ds.
@@ -277,7 +290,7 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
   ]
   out_type = jax.ShapeDtypeStruct(q.shape, dtype)
   if fuse:
-    scratch += [tile(wgs, bq, head_dim), plgpu.Barrier(num_barriers=wgs)]
+    scratch += [tile(wgs, bq, head_dim), plgpu.Barrier(num_barriers=wgs)]  # o
     out_type = (out_type, jax.ShapeDtypeStruct(lse2.shape, jnp.float32))
   return plgpu.kernel(
       dq_kernel,
@@ -294,4 +307,4 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       compiler_params=plgpu.CompilerParams(
           approx_math=True, **(dict(reduction_scratch_bytes=0) if fuse else {})),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, do, lse2, o if fuse else delta, *extra)
+  )(q, k, v, do, lse2, o if fuse else delta, *((dlse,) if has_dlse else ()), *extra)
