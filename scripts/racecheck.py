@@ -25,7 +25,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only off_turn`` the forward's epilogue off the ping-pong turn
 (``epilogue_off_turn``); ``--only overlap`` also runs P in registers;
 ``--only trim`` the forward's trimmed end tile (``trim_end_tile``);
-``--only delta`` the backward's delta formed in the dq kernel (``fuse_delta``).
+``--only delta`` the backward's delta formed in the dq kernel (``fuse_delta``);
+``--only block_q128`` the forward with 128 query rows per warpgroup.
 """
 import argparse
 import sys
@@ -212,6 +213,29 @@ def trim_cases():
       raise SystemExit(f"trim case D={d} Tk={tk} computed nothing or non-finite values")
 
 
+def block_q128_cases():
+  """128 query rows per compute warpgroup (``ForwardConfig.block_q=128``, D <= 64):
+  two wgmma M tiles per matmul, grid and persistent kernels, causal with
+  documents, and a window with the hand-off ping-pong."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  ids = jnp.repeat(jnp.arange(3), 100)[None]
+  for mask, fields, seg in (
+      (MaskSpec(causal=True), dict(block_kv=64), False),
+      (MaskSpec(), dict(block_kv=64, persistent=True, num_sms=2), False),
+      (MaskSpec(causal=True), dict(block_kv=64), True),
+      (MaskSpec(causal=True, window_left=90), dict(block_kv=64, pingpong="handoff"), False)):
+    q = jax.random.normal(jax.random.key(43), (1, 300, 2, 64), jnp.bfloat16)
+    k = jax.random.normal(jax.random.key(44), (1, 300, 1, 64), jnp.bfloat16)
+    kw = dict(q_segment_ids=ids, kv_segment_ids=ids) if seg else {}
+    o, _ = attention_forward(q, k, k, scale=0.125, mask=mask,
+                             config=ForwardConfig(block_q=128, **fields), **kw)
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"block_q=128, {mask} {fields} segments {seg}: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"block_q=128 case {fields} computed nothing or non-finite values")
+
+
 def schedule_cases():
   """Causal D = 128's default forward, persistent since the twenty-sixth
   session up to 4096 keys, with its schedule in chunks of the grid's order
@@ -370,7 +394,8 @@ GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
           "softcap": softcap_cases, "defer": defer_cases,
           "warpgroups": warpgroups_cases, "window": window_cases,
-          "off_turn": off_turn_cases, "trim": trim_cases, "delta": delta_cases}
+          "off_turn": off_turn_cases, "trim": trim_cases, "delta": delta_cases,
+          "block_q128": block_q128_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
