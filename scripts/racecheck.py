@@ -259,6 +259,15 @@ def schedule_cases():
       raise SystemExit(f"schedule case {name} computed nothing or non-finite values")
 
 
+def _check_grads(grads, label: str) -> None:
+  """Prints whether (dq, dk, dv) are finite and nonzero; exits if not."""
+  finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+  nonzero = [int(jnp.count_nonzero(g)) for g in grads]
+  print(f"{label}: finite {finite}, nonzero (dq, dk, dv) {nonzero}")
+  if not (finite and min(nonzero) > 0):
+    raise SystemExit(f"{label}: computed nothing or non-finite values")
+
+
 def softcap_cases():
   """The backward with a soft cap, 1 - tanh^2 folded into p
   (``BackwardConfig.fold_softcap``, the default since the twenty-seventh
@@ -278,12 +287,7 @@ def softcap_cases():
     o, lse = attention_forward(q, k, v, scale=0.2, mask=mask, softcap=10.0)
     grads = attention_backward(q, k, v, o, lse, do, scale=0.2, mask=mask,
                                softcap=10.0, config=config)
-    finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
-    nonzero = [int(jnp.count_nonzero(g)) for g in grads]
-    print(f"soft-cap backward, D={d}, config={config}: finite {finite}, "
-          f"nonzero (dq, dk, dv) {nonzero}")
-    if not (finite and min(nonzero) > 0):
-      raise SystemExit(f"soft-cap case D={d} computed nothing or non-finite values")
+    _check_grads(grads, f"soft-cap backward, D={d}, config={config}")
 
 
 def defer_cases():
@@ -381,12 +385,7 @@ def delta_cases():
                                  fuse_delta=True)
     grads = attention_backward(q, k, v, o, lse, do, scale=0.2, mask=mask,
                                config=config, dlse=dlse, **lens)
-    finite = all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
-    nonzero = [int(jnp.count_nonzero(g)) for g in grads]
-    print(f"fused delta backward, D={d}, lengths {lengths}: finite {finite}, "
-          f"nonzero (dq, dk, dv) {nonzero}")
-    if not (finite and min(nonzero) > 0):
-      raise SystemExit(f"fused delta case D={d} computed nothing or non-finite values")
+    _check_grads(grads, f"fused delta backward, D={d}, lengths {lengths}")
 
 
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
