@@ -91,7 +91,8 @@ def _deltas(B, Tq, Tk, N, K, D, mask, config, *, o_fn=None, dlse=None):
   o, lse = kernel_inputs(q, k, v, do, scale=0.125, mask=mask)
   o = o if o_fn is None else o_fn(o, lse)
   pad_to = config.block_q_dq * config.compute_wgs_dq
-  lse2, dlse2 = backward.backward_residuals(o, lse, do, pad_to, fused=True, dlse=dlse)
+  lse2, _ = backward.backward_residuals(o, lse, do, pad_to, fused=True)
+  dlse2 = None if dlse is None else backward.pad_rows(dlse, lse2.shape[2], 0.0)
   _, delta = backward.backward_residuals(o, lse, do, pad_to, dlse=dlse)
   delta = jnp.where(jnp.isinf(lse2), 0.0, delta)  # as the kernel (and lengths) select
   kwargs = dict(q_len=Tq, kv_len=Tk, scale=0.125, mask=mask, config=config,

@@ -90,6 +90,7 @@ tile plans and per-tile math they share.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -139,6 +140,12 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def pad_rows(x, length: int, fill: float):
+  """(B, N, T) float32, padded along T to ``length`` with ``fill``."""
+  x = x.astype(jnp.float32)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=fill)
+
+
 def backward_residuals(o, lse, do, pad_to: int, delta=None, fused: bool = False,
                        dlse=None):
   """lse * log2(e) (+inf where lse = -inf) and delta = rowsum(o * do) - dlse,
@@ -148,23 +155,19 @@ def backward_residuals(o, lse, do, pad_to: int, delta=None, fused: bool = False,
   (p = 0) and delta 0. The padding is of these small vectors only. A given
   ``delta`` (B, N, <= Tq) is used instead of rowsum(o * do) - dlse; ``dlse``
   (lse's cotangent, same shape) is 0 when None. ``fused``: delta is left to
-  the dq kernel (``BackwardConfig.fuse_delta``): the second result is the
-  padded dlse (or None) instead.
+  the dq kernel (``BackwardConfig.fuse_delta``) and returned None.
   """
   length = _round_up(o.shape[1], pad_to)
-  pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])),
-                                constant_values=fill)
+  pad = functools.partial(pad_rows, length=length)
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * common.LOG2_E)
   if fused:
-    return pad(lse2, jnp.inf), None if dlse is None else pad(
-        dlse.astype(jnp.float32), 0.0)
+    return pad(lse2, fill=jnp.inf), None
   if delta is None:
     delta = jnp.einsum("bqnd,bqnd->bnq", o.astype(jnp.float32),
                        do.astype(jnp.float32))
     if dlse is not None:  # (o may have rows of padding that dlse lacks)
-      delta = pad(delta, 0.0) - pad(dlse.astype(jnp.float32), 0.0)
-  delta = delta.astype(jnp.float32)
-  return pad(lse2, jnp.inf), pad(delta, 0.0)
+      delta = pad(delta, fill=0.0) - pad(dlse, fill=0.0)
+  return pad(lse2, fill=jnp.inf), pad(delta, fill=0.0)
 
 
 def _segment_inputs(q_ids, kv_ids, config: BackwardConfig):
@@ -310,9 +313,9 @@ def attention_backward(q, k, v, o, lse, do, *, scale: float, mask: MaskSpec,
   pad_to = math.lcm(config.block_q_dq * config.compute_wgs_dq, config.block_q_dkv)
   # The dq kernel forms delta itself when asked (and none is given).
   fused = config.fuse_delta and delta is None
-  lse2, second = backward_residuals(o, lse, do, pad_to, delta, fused=fused, dlse=dlse)
-  # Fused: the padded dlse for the dq kernel; else delta (with -dlse in it).
-  delta, dlse = (None, second) if fused else (second, None)
+  lse2, delta = backward_residuals(o, lse, do, pad_to, delta, fused=fused, dlse=dlse)
+  if fused and dlse is not None:  # The dq kernel subtracts it (padded rows: 0).
+    dlse = pad_rows(dlse, lse2.shape[2], 0.0)
   if lengths is not None:
     # Rows past q_len or seeing no key: p = 0 (lse +inf) and delta 0,
     # whatever o, do (NaN there makes delta NaN) or lse hold.

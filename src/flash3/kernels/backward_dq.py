@@ -19,6 +19,34 @@ from flash3.kernels import backward_tiles as tiles
 from flash3.kernels import common, end_tiles, tile_mask
 
 
+def _fused_delta(o_smem, do_smem, delta_smem, lse2_row, head_dim: int, has_dlse: bool):
+  """``BackwardConfig.fuse_delta``: delta = rowsum(o * do) (- dlse, which
+  ``delta_smem`` holds when ``has_dlse``) in float32, 0 where lse2 is +inf;
+  left in ``delta_smem`` (committed, for its TMA store) and returned."""
+  row = plgpu.Layout.WGMMA.reduce(1)
+  # In 128-column pieces: two whole 64 x 256 tiles in registers spilled into
+  # the dq loop at D = 256 (ptxas, docs/ptxas.md).
+  wgmma, width = plgpu.Layout.WGMMA, min(head_dim, 128)
+  delta_row = None
+  for c in range(0, head_dim, width):
+    cols = (slice(None), pl.ds(c, width))
+    part = jnp.sum(
+        plgpu.load(o_smem.at[cols], layout=wgmma).astype(jnp.float32)
+        * plgpu.load(do_smem.at[cols], layout=wgmma).astype(jnp.float32), axis=1)
+    delta_row = part if delta_row is None else delta_row + part
+  if has_dlse:  # lse's cotangent: d lse_i / d s_ij = p_ij shifts delta.
+    delta_row = delta_row - plgpu.load(delta_smem, layout=row)
+    # Every thread's read of dlse before any write of delta over it.
+    plgpu.commit_smem()
+  # Rows that see nothing (lse2 +inf: past q_len, fully masked, padding) get 0,
+  # as backward.py selects for the XLA delta: p = 0 there, and 0 * NaN would
+  # poison ds.
+  delta_row = jnp.where(lse2_row == jnp.inf, 0.0, delta_row)
+  delta_smem[...] = delta_row
+  plgpu.commit_smem()
+  return delta_row
+
+
 def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
             interpret, lengths=None, bounds=None, segments=None, softcap=None,
             o=None, dlse=None):
@@ -124,30 +152,8 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
       row = plgpu.Layout.WGMMA.reduce(1)
       lse2_row = plgpu.load(lse_smem, layout=row)
       if fuse:
-        # delta = rowsum(o * do) in float32, as backward_residuals forms it
-        # in XLA, where that pass over o and do took about as long as
-        # reading them (36 us at B*T=16384, N*D=2048 on an H200: 6% of the
-        # T=512 causal backward). Here o's tile loads beside q's and do's.
-        # In 128-column pieces: at D = 256 two whole tiles in registers
-        # spilled in the dq loop (ptxas).
-        wgmma, width = plgpu.Layout.WGMMA, min(head_dim, 128)
-        delta_row = None
-        for c in range(0, head_dim, width):
-          cols = (slice(None), pl.ds(c, width))
-          part = jnp.sum(
-              plgpu.load(o_smem.at[cols], layout=wgmma).astype(jnp.float32)
-              * plgpu.load(do_smem.at[cols], layout=wgmma).astype(jnp.float32), axis=1)
-          delta_row = part if delta_row is None else delta_row + part
-        if has_dlse:  # lse's cotangent: d lse_i / d s_ij = p_ij shifts delta.
-          delta_row = delta_row - plgpu.load(delta_smem, layout=row)
-          # Every thread's read of dlse before any write of delta over it.
-          plgpu.commit_smem()
-        # Rows that see nothing (lse2 +inf: past q_len, fully masked, padding)
-        # get 0, as backward.py selects for the XLA delta: p = 0 there, and
-        # 0 * NaN would poison ds.
-        delta_row = jnp.where(lse2_row == jnp.inf, 0.0, delta_row)
-        delta_smem[...] = delta_row
-        plgpu.commit_smem()
+        delta_row = _fused_delta(o_smem, do_smem, delta_smem, lse2_row, head_dim,
+                                 has_dlse)
         plgpu.copy_smem_to_gmem(delta_smem, delta_out.at[vec])
       else:
         delta_row = plgpu.load(delta_smem, layout=row)
