@@ -159,6 +159,29 @@ def test_lists_of_traced_lengths_and_ids_work_under_jit():
   np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("name", ["query_segment_ids", "key_value_segment_ids"])
+def test_x64_jax_segment_ids_past_int32_are_rejected_not_wrapped(name):
+  # Fresh-user review: with x64 on, a jax int64 array of ids [0, 2**32, ...]
+  # was cast to int32 unchecked, merging two documents into one.
+  with jax.enable_x64(True):
+    ids = {"query_segment_ids": jnp.zeros((B, TQ), jnp.int64),
+           "key_value_segment_ids": jnp.zeros((B, TK), jnp.int64)}
+    ids[name] = ids[name].at[:, 1].set(2**32)
+    expect(ValueError, name, str(2**32), **ids)
+
+
+@pytest.mark.parametrize("length", [2**31, 2**32 - 1])
+def test_traced_lengths_past_int32_mean_the_whole_row(length):
+  # Traced lengths are clamped to [0, T]; clamped after an int32 cast, these
+  # wrapped negative and became 0 (every row empty).
+  q, k, v = qkv()
+  f = jax.jit(lambda n: flash3.dot_product_attention(
+      q, k, v, key_value_seq_lengths=n, implementation="xla"))
+  out = f(jnp.array([length, 2], jnp.uint32))
+  want = call(key_value_seq_lengths=np.array([TK, 2], np.int32))
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)  # jit vs eager rounding
+
+
 def test_int64_ids_within_int32_still_work():
   out = call(query_segment_ids=np.ones((B, TQ), np.int64),
              key_value_segment_ids=np.ones((B, TK), np.int64),
@@ -265,6 +288,31 @@ def test_soft_cap_must_be_positive(cap):
   expect(ValueError, "logits_soft_cap", str(cap), logits_soft_cap=cap)
 
 
+@pytest.mark.parametrize("cap", [1e-300, 1e-38, 1e31, 1e37])
+def test_soft_cap_outside_float32_safe_range(cap):
+  # Fresh-user review: 1e-300 is 0 in float32, 1e-38 gave NaN gradients and
+  # 1e37 a uniform softmax (s / cap underflows), all without an error.
+  expect(ValueError, "logits_soft_cap", str(cap), "1e-30, 1e+30", logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("cap", [1e-30, 1e-6, 1e6, 1e30])
+def test_soft_cap_at_the_range_is_exact(cap):
+  # The bounds themselves work: finite gradients, and the capped softmax
+  # equals a float64 NumPy one (a huge cap is the identity).
+  q, k, v = qkv()
+  loss = lambda q: flash3.dot_product_attention(
+      q, k, v, logits_soft_cap=cap, implementation="xla").sum()
+  assert np.isfinite(np.asarray(jax.grad(loss)(jnp.asarray(q)))).all()
+  s = np.einsum("bqnd,bknd->bnqk", q.astype(np.float64),
+                np.repeat(k, N // K, axis=2)) / np.sqrt(D)
+  s = cap * np.tanh(s / cap)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  want = np.einsum("bnqk,bknd->bqnd", p, np.repeat(v, N // K, axis=2).astype(np.float64))
+  got = call(q, k, v, logits_soft_cap=cap)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
 # Finite in Python, inf in float32 (every output would be NaN): fresh-user review.
 @pytest.mark.parametrize("name,value", [
     ("scale", 1e39), ("scale", 3.5e38), ("scale", -1e39),
@@ -290,6 +338,13 @@ def test_implementation_unknown(impl):
 def test_query_dtype(dtype):
   q, k, v = qkv(dtype=dtype)
   expect(TypeError, "query", np.dtype(dtype).name, q=q, k=k, v=v)
+
+
+def test_integer_dtype_message_names_the_given_dtype():
+  # Fresh-user review: float64 NumPy lengths were reported as "float32" (the
+  # dtype jax would use with x64 off), not the dtype passed.
+  expect(TypeError, "query_seq_lengths", "float64",
+         query_seq_lengths=np.array([1.0, 2.0]))
 
 
 def test_float64_rejected_under_x64():

@@ -43,7 +43,10 @@ def interpret_kernels(detect_races: bool = False):
   host) it was seen to stall for good (2 cores, 2 devices: the forward with
   causal segment ids and GQA at head_dim 64). Set
   ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax starts,
-  as the test suite does; a warning says so once.
+  as the test suite does; a warning says so once. Rarely it stalls with 4
+  as well (thirty-fifth session's fresh-user run, 2 cores: long processes
+  mixing many kernel calls with other eager jax work), so the tests run
+  under pytest-timeout.
 
   Args:
     detect_races: ask the interpreter to report shared-memory races; after a

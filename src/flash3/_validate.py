@@ -53,8 +53,13 @@ def _shape(x) -> tuple[int, ...]:
 
 def _dtype(x):
   """The dtype jax will use (float64 NumPy input is float32 unless x64 is on, as in jax.nn)."""
-  dtype = jnp.result_type(x) if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
-  return jax.dtypes.canonicalize_dtype(dtype)
+  return jax.dtypes.canonicalize_dtype(_given_dtype(x))
+
+
+def _given_dtype(x):
+  """The dtype as the caller gave it (before jax's x64 canonicalisation): what
+  error messages name."""
+  return jnp.result_type(x) if not hasattr(x, "dtype") else jnp.dtype(x.dtype)
 
 
 def _is_concrete(x) -> bool:
@@ -63,12 +68,12 @@ def _is_concrete(x) -> bool:
 
 def _check_float(name: str, x) -> None:
   try:
-    dtype = _dtype(x)
+    dtype, given = _dtype(x), _given_dtype(x)
   except TypeError:  # e.g. NumPy strings, which jax has no dtype for
-    dtype = getattr(x, "dtype", type(x).__name__)
+    dtype = given = getattr(x, "dtype", type(x).__name__)
   if dtype not in FLOAT_DTYPES:
     raise TypeError(
-        f"{name} has dtype {dtype}; allowed: float16, bfloat16, float32")
+        f"{name} has dtype {given}; allowed: float16, bfloat16, float32")
 
 
 def _array_from_list(name: str, x):
@@ -84,7 +89,7 @@ def _array_from_list(name: str, x):
 
 def _check_int(name: str, x) -> None:
   if not jnp.issubdtype(_dtype(x), jnp.integer):
-    raise TypeError(f"{name} has dtype {_dtype(x)}; allowed: an integer dtype (int32)")
+    raise TypeError(f"{name} has dtype {_given_dtype(x)}; allowed: an integer dtype (int32)")
 
 
 def _check_broadcast(name: str, x, target: tuple[int, ...]) -> None:
@@ -152,13 +157,17 @@ def _host_or_traced(x):
 
 
 def _host_int_range(x) -> tuple[int, int] | None:
-  """(min, max) of a host (NumPy or list) integer array in its own width, else None.
+  """(min, max) of a concrete integer array (NumPy, list or jax) in its own
+  width, else None (traced).
 
   jnp.asarray would first cast int64 to int32 (x64 is off) and wrap values
-  past 2**31 silently, so host values are checked before that cast.
+  past 2**31 silently, so host values are checked before that cast; with x64
+  on, jax arrays can be int64 or uint32 and are checked the same way.
   """
-  if isinstance(x, (jax.Array, jax.core.Tracer)):
+  if isinstance(x, jax.core.Tracer):
     return None
+  if isinstance(x, jax.Array) and jnp.can_cast(x.dtype, jnp.int32):
+    return None  # Fits by its dtype: no copy to the host.
   arr = np.asarray(x)
   if not arr.size:
     return None
@@ -199,7 +208,9 @@ def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
     return x.astype(jnp.int32)
   # Traced values cannot be checked: clamp them into [0, T] so that a wrong
   # length cannot move a bottom_right alignment past the array's ends.
-  return jnp.clip(x.astype(jnp.int32), 0, max_len)
+  # Clamped in the given width, then cast: a uint32 or int64 length past
+  # int32 must mean the whole row, not wrap negative and become 0.
+  return jnp.clip(x, 0, max_len).astype(jnp.int32)
 
 
 def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
@@ -213,6 +224,7 @@ def _segment_ids(name: str, x, batch: int, length: int, unbatched: bool):
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+SOFTCAP_RANGE = (1e-30, 1e30)
 
 
 def _positive_finite(name: str, value) -> float:
@@ -309,8 +321,13 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   scale = _positive_finite("scale", scale)
   if logits_soft_cap is not None:
     logits_soft_cap = _positive_finite("logits_soft_cap", logits_soft_cap)
-    if logits_soft_cap <= 0:
-      raise ValueError(f"logits_soft_cap={logits_soft_cap!r}; allowed: None or a number > 0")
+    # s / cap and its gradient's 1 / cap are float32: past these bounds they
+    # leave its normal range (caps near 1e-38 gave NaN gradients, near 1e37
+    # scores that underflow to 0, a uniform softmax). Real caps are 20-50.
+    if not SOFTCAP_RANGE[0] <= logits_soft_cap <= SOFTCAP_RANGE[1]:
+      raise ValueError(
+          f"logits_soft_cap={logits_soft_cap!r}; allowed: None or a number in "
+          f"[{SOFTCAP_RANGE[0]:g}, {SOFTCAP_RANGE[1]:g}]")
 
   target = (B, N, Tq, Tk)
   if bias is not None:
