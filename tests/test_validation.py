@@ -182,6 +182,18 @@ def test_traced_lengths_past_int32_mean_the_whole_row(length):
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)  # jit vs eager rounding
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16])
+def test_traced_narrow_lengths_clamp_to_t_not_to_t_wrapped(dtype):
+  # T = 300 does not fit these dtypes: clamped in their own width, the bound
+  # wrapped (uint8: 44) and cut valid lengths short.
+  q, k, v = qkv(tk=300)
+  f = jax.jit(lambda n: flash3.dot_product_attention(
+      q, k, v, key_value_seq_lengths=n, implementation="xla"))
+  out = f(jnp.array([100, 3], dtype))
+  want = call(q, k, v, key_value_seq_lengths=np.array([100, 3], np.int32))
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
 def test_int64_ids_within_int32_still_work():
   out = call(query_segment_ids=np.ones((B, TQ), np.int64),
              key_value_segment_ids=np.ones((B, TK), np.int64),

@@ -208,8 +208,11 @@ def _lengths(name: str, x, batch: int, max_len: int, unbatched: bool):
     return x.astype(jnp.int32)
   # Traced values cannot be checked: clamp them into [0, T] so that a wrong
   # length cannot move a bottom_right alignment past the array's ends.
-  # Clamped in the given width, then cast: a uint32 or int64 length past
-  # int32 must mean the whole row, not wrap negative and become 0.
+  # Clamped in a width that holds both the value and T: int32 for narrow
+  # dtypes (T would wrap in uint8), the given one for uint32 / int64 (a length
+  # past int32 must mean the whole row, not wrap negative and become 0).
+  if jnp.can_cast(x.dtype, jnp.int32):
+    return jnp.clip(x.astype(jnp.int32), 0, max_len)
   return jnp.clip(x, 0, max_len).astype(jnp.int32)
 
 
