@@ -1,5 +1,6 @@
 """Shared test fixtures: GPU skip rule and interpret-mode hygiene."""
 
+import gc
 import os
 
 # Sharding tests need several devices; on the CPU, XLA can fake them. This must
@@ -48,3 +49,29 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not ON_HOPPER:
       item.add_marker(pytest.mark.skip(reason="needs a Hopper GPU (sm_90)"))
+
+
+def _map_count_and_limit() -> tuple[int, int] | None:
+  try:
+    with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+      return sum(1 for _ in maps), int(limit.read())
+  except OSError:  # Not Linux: no such limit to guard.
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_executables():
+  """Frees jax's compiled executables once they hold half the process's maps.
+
+  Each XLA CPU executable keeps its JIT code in its own memory maps, about 500
+  per interpret-mode kernel test, and jax caches every executable. One xdist
+  worker ran about 800 tests, passed Linux's vm.max_map_count (65530) and
+  crashed inside XLA's CPU compiler (SIGSEGV or SIGABRT in
+  backend_compile_and_load), twice on the same later test. Clearing the caches
+  unmaps them; doing it only past half the limit keeps the cache's speed.
+  """
+  yield
+  state = _map_count_and_limit()
+  if state is not None and state[0] > state[1] // 2:
+    jax.clear_caches()
+    gc.collect()  # Executables caught in reference cycles too.
