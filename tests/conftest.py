@@ -51,12 +51,15 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.skip(reason="needs a Hopper GPU (sm_90)"))
 
 
-def _map_count_and_limit() -> tuple[int, int] | None:
+def _max_map_count() -> int | None:
   try:
-    with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
-      return sum(1 for _ in maps), int(limit.read())
+    with open("/proc/sys/vm/max_map_count") as limit:
+      return int(limit.read())
   except OSError:  # Not Linux: no such limit to guard.
     return None
+
+
+_MAX_MAP_COUNT = _max_map_count()  # A system setting: read once.
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +74,10 @@ def _release_compiled_executables():
   unmaps them; doing it only past half the limit keeps the cache's speed.
   """
   yield
-  state = _map_count_and_limit()
-  if state is not None and state[0] > state[1] // 2:
+  if _MAX_MAP_COUNT is None:
+    return
+  with open("/proc/self/maps") as maps:
+    count = sum(1 for _ in maps)
+  if count > _MAX_MAP_COUNT // 2:
     jax.clear_caches()
     gc.collect()  # Executables caught in reference cycles too.

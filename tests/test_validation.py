@@ -184,8 +184,8 @@ def test_traced_lengths_past_int32_mean_the_whole_row(length):
 
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16])
 def test_traced_narrow_lengths_clamp_to_t_not_to_t_wrapped(dtype):
-  # T = 300 does not fit these dtypes: clamped in their own width, the bound
-  # wrapped (uint8: 44) and cut valid lengths short.
+  # T = 300 does not fit uint8 or int8: clamped in their own width, the bound
+  # wrapped (uint8: 44) and cut valid lengths short. int16 holds it (control).
   q, k, v = qkv(tk=300)
   f = jax.jit(lambda n: flash3.dot_product_attention(
       q, k, v, key_value_seq_lengths=n, implementation="xla"))
