@@ -1068,6 +1068,46 @@ def test_gpu_nan_sink_poisons_its_head_like_the_xla_path(T, D):
   _check_nan_sink(T, D, interpret=False)
 
 
+def _check_huge_sinks(T, D, interpret):
+  """Sinks past float32's max / log2(e) (about 2.36e38) overflow the exp2
+  domain to +inf: o is 0 and the lse is the sink, as on the XLA path, not
+  NaN (exp2(inf - inf)); the rows past q_len too. A sink of 1e38 stays
+  finite there and must give the same."""
+  q, k, v = make_qkv(jax.random.key(19), 2, T, T, 4, 2, D, jnp.bfloat16)
+  sinks = jnp.asarray([3.4e38, jnp.inf, 1e38, 0.5], jnp.float32)
+  lengths = dict(q_lengths=jnp.asarray([T, T // 2], jnp.int32))
+  if interpret:
+    o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR, sinks=sinks,
+                                **lengths)
+  else:
+    o, lse = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_BR, sinks=sinks,
+                               **lengths)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  ref_o, ref_lse = flash3.dot_product_attention(
+      q, k, v, scale=0.125, sinks=sinks, is_causal=True,
+      causal_alignment="bottom_right", query_seq_lengths=lengths["q_lengths"],
+      implementation="xla", return_residual=True)
+  ref_o, ref_lse = np.asarray(ref_o, np.float32), np.asarray(ref_lse).transpose(0, 2, 1)
+  assert not np.isnan(o).any() and not np.isnan(lse).any()
+  np.testing.assert_array_equal(o[:, :, :3], 0.0)
+  np.testing.assert_array_equal(lse[:, :3], ref_lse[:, :3])
+  np.testing.assert_array_equal(lse[:, :3], np.broadcast_to(
+      np.asarray(sinks[:3])[None, :, None], lse[:, :3].shape))
+  np.testing.assert_allclose(o[:, :, 3], ref_o[:, :, 3], atol=2e-2)
+  np.testing.assert_allclose(lse[:, 3], ref_lse[:, 3], atol=1e-3)
+
+
+@pytest.mark.interpret
+def test_interpret_sinks_past_exp2_range_give_the_sink_not_nan():
+  _check_huge_sinks(64, 64, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,D", [(64, 64), (4096, 128)])  # persistent, grid
+def test_gpu_sinks_past_exp2_range_give_the_sink_not_nan(T, D):
+  _check_huge_sinks(T, D, interpret=False)
+
+
 def _poison_past(x, lengths):
   """x with NaN, Inf and 1e30 (in turn) in the rows at or past each batch row's length."""
   bad = jnp.array([jnp.nan, jnp.inf, 1e30], x.dtype)

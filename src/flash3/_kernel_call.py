@@ -68,20 +68,27 @@ def features(extras: Extras, static: KernelArgs) -> frozenset[str]:
 def _fold_vmap(fn, batch_leading: tuple[bool, ...]):
   """``fn`` with a vmap rule that merges the mapped axis into axis 0.
 
-  ``batch_leading[i]`` says whether operand i has the batch axis first; the
-  others (sinks) must not be mapped.
+  ``batch_leading[i]`` says whether operand i has the batch axis first. The
+  others (sinks: one per head, shared by every batch row) cannot take the
+  mapped axis into the batch; when one of them is mapped, the members run
+  one after another (``lax.map``), each a kernel call of its own.
   """
   wrapped = jax.custom_batching.custom_vmap(fn)
 
   @wrapped.def_vmap
   def _rule(axis_size, in_batched, *args):
+    if any(b and not lead for b, lead in zip(in_batched, batch_leading)):
+      mapped = [x for x, b in zip(args, in_batched) if b]
+
+      def member(xs):
+        it = iter(xs)
+        return wrapped(*(next(it) if b else x for x, b in zip(args, in_batched)))
+
+      outs = jax.lax.map(member, mapped)
+      return outs, (True,) * len(outs)
     merged = []
     for x, batched, leading in zip(args, in_batched, batch_leading):
       if not leading:
-        if batched:
-          raise NotImplementedError(
-              "flash3: vmap over sinks is not supported on the Mosaic GPU path; "
-              "use implementation='xla'")
         merged.append(x)
         continue
       x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))

@@ -692,7 +692,9 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       m_fin = jnp.maximum(m, sink2)
       m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
       alpha = jnp.exp2(m - m_fin)
-      l = l * alpha + jnp.exp2(sink2 - m_fin)
+      # A sink above float32's max / log2(e) (or +inf) is +inf here, and the
+      # row's max: exp2(0) = 1, not exp2(inf - inf) = NaN.
+      l = l * alpha + jnp.exp2(jnp.where(sink2 == m_fin, 0.0, sink2 - m_fin))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       m = m_fin
     # l is 0 only where nothing was seen (and no sink); a NaN l (a NaN sink)
@@ -707,6 +709,10 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     # this form; bitwise equal since, 2026-12-01).
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
                     -jnp.inf)
+    if has_sinks:
+      # Such a sink outweighs every finite score: the lse is the sink itself,
+      # as the reference's (an overflowed score alone keeps its NaN).
+      lse = jnp.where((m == jnp.inf) & (m == sink2), sink, lse)
     if has_lengths:
       # Rows i >= q_len see nothing: they were computed like the others and
       # are replaced here (selected, so NaN in their q cannot leak). Without
