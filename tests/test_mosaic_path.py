@@ -248,6 +248,27 @@ def test_vmap_over_sinks_runs_the_members_on_the_kernels():
       assert err < 2e-2, (name, member, err)
 
 
+def test_second_derivatives_raise_naming_the_xla_path():
+  """The kernels are differentiable once: grad of grad raises flash3's error
+  (jax's would name its internal primitive); the XLA path computes it."""
+  q, _, _, _ = _inputs(B=1, Tq=40, Tk=40, N=2, K=2, D=16)
+
+  def grad_norm(impl):
+    def f(q):
+      o = flash3.dot_product_attention(q, q, q, is_causal=True, implementation=impl)
+      return o.astype(jnp.float32).sum()
+    return lambda q: (jax.grad(f)(q).astype(jnp.float32) ** 2).sum()
+
+  with _kernels():
+    first = jax.grad(lambda q: flash3.dot_product_attention(
+        q, q, q, is_causal=True, implementation="mosaic").astype(jnp.float32).sum())(q)
+    assert np.isfinite(np.asarray(first, np.float32)).all()
+    with pytest.raises(NotImplementedError, match="differentiable once.*implementation='xla'"):
+      jax.grad(grad_norm("mosaic"))(q)
+  second = jax.grad(grad_norm("xla"))(q.astype(jnp.float32))
+  assert np.isfinite(np.asarray(second)).all() and np.abs(np.asarray(second)).max() > 0
+
+
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
 def test_sharded_jit_equals_unsharded():
   n = 2

@@ -100,6 +100,27 @@ def _fold_vmap(fn, batch_leading: tuple[bool, ...]):
   return wrapped
 
 
+def _first_order_only(fn):
+  """``fn`` (a kernel call) with a derivative that raises a clear error.
+
+  The API's custom_vjp gives the first derivative. A second one (grad of
+  grad, a Hessian) differentiates its forward and backward rules themselves,
+  and the kernels have no derivative rule: jax's own error would name its
+  internal primitive, not flash3 or what to do instead.
+  """
+  wrapped = jax.custom_jvp(fn)
+
+  @wrapped.defjvp
+  def _jvp(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(
+        "flash3: the Mosaic GPU kernels are differentiable once, in reverse mode "
+        "(jax.grad, jax.vjp); second derivatives (grad of grad, jax.hessian) "
+        "need implementation='xla'")
+
+  return wrapped
+
+
 def _partitioned(fn, in_kinds, out_kinds, static: KernelArgs):
   # Interpreted kernels carry ordered IO effects, which custom_partitioning
   # cannot lower per shard: in interpret mode XLA's default (gathering)
@@ -135,7 +156,8 @@ def _forward_call(static: KernelArgs, names: tuple[str, ...]):
 
   kinds = ("q", "kv", "kv") + tuple(_EXTRA_KINDS[n] for n in names)
   leading = tuple(kind != "sink" for kind in kinds)
-  return _fold_vmap(_partitioned(forward, kinds, ("q", "row"), static), leading)
+  return _first_order_only(
+      _fold_vmap(_partitioned(forward, kinds, ("q", "row"), static), leading))
 
 
 @functools.cache
@@ -162,7 +184,8 @@ def _backward_call(static: KernelArgs, names: tuple[str, ...], shift: str):
   kinds = (("q", "kv", "kv", "q", "row", "q", "row")
            + tuple(_EXTRA_KINDS[n] for n in names))
   leading = tuple(kind != "sink" for kind in kinds)
-  return _fold_vmap(_partitioned(backward, kinds, ("q", "kv", "kv"), static), leading)
+  return _first_order_only(
+      _fold_vmap(_partitioned(backward, kinds, ("q", "kv", "kv"), static), leading))
 
 
 def _flat_extras(extras: Extras, num_kv_heads: int):
