@@ -359,6 +359,27 @@ def test_integer_dtype_message_names_the_given_dtype():
          query_seq_lengths=np.array([1.0, 2.0]))
 
 
+def test_mask_and_mismatch_messages_name_the_given_dtype():
+  # Docs-vs-code review: these two named jax's converted dtype (float32).
+  expect(TypeError, "mask", "float64", mask=np.ones((1, 1, TQ, TK)))
+  q, k, v = qkv(dtype=np.float16)
+  expect(TypeError, "query, key and value", "float16, float64, float16",
+         q=q, k=np.asarray(k, np.float64), v=v)
+
+
+@pytest.mark.parametrize("name, ragged", [
+    ("bias", [[1.0, 2.0], [1.0]]), ("mask", [[True], [True, False]]),
+    ("sinks", [1.0, [2.0]]), ("query_seq_lengths", [[1, 2], [3]]),
+    ("key_value_seq_lengths", [1, [2]]), ("query_segment_ids", [[0, 1], [0]])])
+def test_ragged_list_arguments_are_a_type_error_naming_them(name, ragged):
+  # Only query, key and value lists were checked; the others raised NumPy's
+  # ValueError without the argument's name.
+  kw = {name: ragged}
+  if name == "query_segment_ids":
+    kw["key_value_segment_ids"] = np.zeros((B, TK), np.int32)
+  expect(TypeError, name, "rectangular", **kw)
+
+
 def test_float64_rejected_under_x64():
   with jax.enable_x64(True):
     q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv())

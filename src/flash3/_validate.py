@@ -76,7 +76,7 @@ def _check_float(name: str, x) -> None:
         f"{name} has dtype {given}; allowed: float16, bfloat16, float32")
 
 
-def _array_from_list(name: str, x):
+def _array_from_list(name: str, x, of: str = "floats"):
   """A list or tuple of numbers as an array (NumPy, or jax when it holds
   tracers); a ragged or non-numeric one is refused naming the argument."""
   try:
@@ -84,7 +84,7 @@ def _array_from_list(name: str, x):
   except (ValueError, TypeError, OverflowError) as e:
     raise TypeError(
         f"{name} is a {type(x).__name__} that is not a rectangular array of numbers "
-        f"({e}); allowed: a jax or NumPy array, or nested lists of floats") from None
+        f"({e}); allowed: a jax or NumPy array, or nested lists of {of}") from None
 
 
 def _check_int(name: str, x) -> None:
@@ -270,13 +270,16 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   # Python lists and tuples are arrays to jax.nn; take them the same way.
   # Integer ones become host arrays first, so values past int32 get the
   # range error below rather than an OverflowError from jnp.asarray.
-  as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
-  as_host = lambda x: _host_or_traced(x) if isinstance(x, (list, tuple)) else x
-  bias, mask, sinks = as_array(bias), as_array(mask), as_array(sinks)
-  query_seq_lengths = as_host(query_seq_lengths)
-  key_value_seq_lengths = as_host(key_value_seq_lengths)
-  query_segment_ids = as_host(query_segment_ids)
-  key_value_segment_ids = as_host(key_value_segment_ids)
+  def listed(name, x, of):  # A ragged list is a TypeError naming the argument.
+    return _array_from_list(name, x, of) if isinstance(x, (list, tuple)) else x
+  bias, mask, sinks = (
+      jnp.asarray(listed(name, x, of)) if isinstance(x, (list, tuple)) else x
+      for name, x, of in (("bias", bias, "floats"), ("mask", mask, "bools"),
+                          ("sinks", sinks, "floats")))
+  query_seq_lengths = listed("query_seq_lengths", query_seq_lengths, "ints")
+  key_value_seq_lengths = listed("key_value_seq_lengths", key_value_seq_lengths, "ints")
+  query_segment_ids = listed("query_segment_ids", query_segment_ids, "ints")
+  key_value_segment_ids = listed("key_value_segment_ids", key_value_segment_ids, "ints")
 
   names = ("query", "key", "value")
   query, key, value = (_array_from_list(name, x) if isinstance(x, (list, tuple)) else x
@@ -295,8 +298,8 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
           f"value (query has rank {rank})")
   if not _dtype(query) == _dtype(key) == _dtype(value):
     raise TypeError(
-        f"query, key and value have dtypes {_dtype(query)}, {_dtype(key)}, "
-        f"{_dtype(value)}; allowed: one dtype for all three")
+        f"query, key and value have dtypes {_given_dtype(query)}, {_given_dtype(key)}, "
+        f"{_given_dtype(value)}; allowed: one dtype for all three")
   unbatched = rank == 3
   q = jnp.asarray(query)[None] if unbatched else jnp.asarray(query)
   k = jnp.asarray(key)[None] if unbatched else jnp.asarray(key)
@@ -339,7 +342,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     bias = jnp.asarray(bias)
   if mask is not None:
     if _dtype(mask) != jnp.dtype(bool):
-      raise TypeError(f"mask has dtype {_dtype(mask)}; allowed: bool (True = keep)")
+      raise TypeError(f"mask has dtype {_given_dtype(mask)}; allowed: bool (True = keep)")
     _check_broadcast("mask", mask, target)
     mask = jnp.asarray(mask)
 

@@ -80,7 +80,8 @@ def dot_product_attention(
       s and dp recomputed for dq). False lets the backward use its
       single-kernel variant, which adds dq with float32 reduce-add atomics
       (dq's last bits then vary run to run; dk, dv stay reproducible), where
-      it was faster on an H200: head_dim 64 (0.98 of cuDNN's default
+      it was faster on an H200: head_dim 64, also 8 to 56 when not a multiple
+      of 16 (the backward zero-pads those to 64) (0.98 of cuDNN's default
       backward against 0.92, FlashAttention-3 grid, bfloat16, 2026-12-01,
       docs/benchmarks/h200/2026-12-01-s10/tune.md); elsewhere the
       deterministic kernels, faster there, run anyway. (cuDNN's own
@@ -101,9 +102,11 @@ def dot_product_attention(
       argument, its value and what is allowed).
     TypeError: a dtype is not allowed, or an argument is of the wrong kind
       (a non-number or traced scale or soft cap, a window that is not ints,
-      a list that is not a rectangular array of numbers).
+      a list that is not a rectangular array of numbers, for any argument).
     NotImplementedError: implementation="mosaic" cannot run this call (not a
       Hopper GPU, or an option the kernels do not support yet); says which.
+      Also a second derivative (grad of grad) through the kernels, and
+      inputs sharded over key/value heads under jit (docs/multi_gpu.md).
   """
   p = _validate.check(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,

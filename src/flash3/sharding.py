@@ -63,12 +63,14 @@ def _axes(sharding, kind: str):
 
 
 def partitioned(fn: Callable, in_kinds: Sequence[str], out_kinds: Sequence[str]):
-  """``fn`` wrapped so that sharded batch / key-value-head dims stay sharded.
+  """``fn`` wrapped so that a sharded batch dim stays sharded (key/value
+  heads too only with ``ALLOW_HEAD_SHARDING``; otherwise NotImplementedError).
 
   Args:
     fn: takes arrays of ``in_kinds`` and returns a tuple of ``out_kinds``;
       it must be correct on any batch / head slice (attention is).
-    in_kinds, out_kinds: "q", "kv" or "row" for each operand and result.
+    in_kinds, out_kinds: one of the module docstring's kinds ("q", "kv",
+      "row", "len", "qseg", "kvseg", "sink") for each operand and result.
   """
   # custom_partitioning refuses functions whose jaxpr closes over constants
   # (any jnp.array([...]) inside); under jit those stay in the inner jaxpr.
