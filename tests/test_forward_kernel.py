@@ -1039,15 +1039,18 @@ def test_interpret_rows_that_see_no_key_e06(sinks):
   assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
 
 
+def _forward_on(interpret, *args, **kw):
+  """The forward kernel in GPU interpret mode on the CPU, or compiled on the GPU."""
+  run = run_interpret_opts if interpret else attention_forward
+  return run(*args, **kw)
+
+
 def _check_nan_sink(T, D, interpret):
   """A NaN sink is data: its head's o and lse are NaN on the kernel and the
   XLA path alike; the other head is untouched."""
   q, k, v = make_qkv(jax.random.key(9), 1, T, T, 2, 1, D, jnp.bfloat16)
   sinks = jnp.asarray([0.5, jnp.nan], jnp.float32)
-  if interpret:
-    o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=NO_MASK, sinks=sinks)
-  else:
-    o, lse = attention_forward(q, k, v, scale=0.125, mask=NO_MASK, sinks=sinks)
+  o, lse = _forward_on(interpret, q, k, v, scale=0.125, mask=NO_MASK, sinks=sinks)
   o, lse = np.asarray(o, np.float32), np.asarray(lse)
   assert np.isnan(o[:, :, 1]).all() and np.isnan(lse[:, 1]).all()
   assert np.isfinite(o[:, :, 0]).all() and np.isfinite(lse[:, 0]).all()
@@ -1076,12 +1079,8 @@ def _check_huge_sinks(T, D, interpret):
   q, k, v = make_qkv(jax.random.key(19), 2, T, T, 4, 2, D, jnp.bfloat16)
   sinks = jnp.asarray([3.4e38, jnp.inf, 1e38, 0.5], jnp.float32)
   lengths = dict(q_lengths=jnp.asarray([T, T // 2], jnp.int32))
-  if interpret:
-    o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR, sinks=sinks,
-                                **lengths)
-  else:
-    o, lse = attention_forward(q, k, v, scale=0.125, mask=CAUSAL_BR, sinks=sinks,
-                               **lengths)
+  o, lse = _forward_on(interpret, q, k, v, scale=0.125, mask=CAUSAL_BR, sinks=sinks,
+                       **lengths)
   o, lse = np.asarray(o, np.float32), np.asarray(lse)
   ref_o, ref_lse = flash3.dot_product_attention(
       q, k, v, scale=0.125, sinks=sinks, is_causal=True,

@@ -273,7 +273,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   def listed(name, x, of):  # A ragged list is a TypeError naming the argument.
     return _array_from_list(name, x, of) if isinstance(x, (list, tuple)) else x
   bias, mask, sinks = (
-      jnp.asarray(listed(name, x, of)) if isinstance(x, (list, tuple)) else x
+      jnp.asarray(_array_from_list(name, x, of)) if isinstance(x, (list, tuple)) else x
       for name, x, of in (("bias", bias, "floats"), ("mask", mask, "bools"),
                           ("sinks", sinks, "floats")))
   query_seq_lengths = listed("query_seq_lengths", query_seq_lengths, "ints")
@@ -282,7 +282,7 @@ def check(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
   key_value_segment_ids = listed("key_value_segment_ids", key_value_segment_ids, "ints")
 
   names = ("query", "key", "value")
-  query, key, value = (_array_from_list(name, x) if isinstance(x, (list, tuple)) else x
+  query, key, value = (listed(name, x, "floats")
                        for name, x in zip(names, (query, key, value)))
   arrays = (query, key, value)
   for name, x in zip(names, arrays):
