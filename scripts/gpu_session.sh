@@ -54,6 +54,12 @@ stage() {  # stage NAME BUDGET_S GPUS command...
   echo "== $name: rc=$rc after $(( $(date +%s) - s )) s" | tee -a "$R/stages.txt"
   pack
 }
+inner() {  # inner BUDGET MARGIN: a script's own --time-budget inside its stage,
+  # from the budget as `stage` will cut it to the deadline (else the timeout
+  # kills the script mid-case, before it writes its tables)
+  local t b=$1; t=$(left); [ "$b" -gt "$t" ] && b=$t
+  b=$(( b - $2 )); [ "$b" -lt 10 ] && b=10; echo "$b"
+}
 shared() {  # Several processes on one GPU: memory on demand.
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 "$@"
 }
@@ -78,12 +84,12 @@ run_stage() {  # run_stage NAME GPU
     racecheck) stage racecheck ${RACECHECK_BUDGET:-180} "$g" compute-sanitizer --tool racecheck --print-limit 20 \
                  python3 scripts/racecheck.py ${RACECHECK_ARGS:-} ;;
     drain) stage drain ${DRAIN_BUDGET:-200} "$g" python3 scripts/bench_drain.py \
-             --time-budget $(( ${DRAIN_BUDGET:-200} - 20 )) --jobs 8 --out "$R/drain" ;;
+             --time-budget $(inner ${DRAIN_BUDGET:-200} 20) --jobs 8 --out "$R/drain" ;;
     # shellcheck disable=SC2086
     bench) stage bench ${BENCH_BUDGET:-280} "$g" bash scripts/with_tokamax.sh python3 -m flash3.bench \
-             $BENCH --no-progress --time-budget $(( ${BENCH_BUDGET:-280} - 20 )) --out "$R/bench" ;;
+             $BENCH --no-progress --time-budget $(inner ${BENCH_BUDGET:-280} 20) --out "$R/bench" ;;
     bench2) stage bench2 ${BENCH_BUDGET:-280} "$g" bash scripts/with_tokamax.sh python3 -m flash3.bench \
-              ${BENCH2:-$BENCH} --no-progress --time-budget $(( ${BENCH_BUDGET:-280} - 20 )) \
+              ${BENCH2:-$BENCH} --no-progress --time-budget $(inner ${BENCH_BUDGET:-280} 20) \
               --out "$R/bench2" ;;
     train_flash3|train_cudnn)
       local impl=${1#train_}
@@ -97,7 +103,7 @@ run_stage() {  # run_stage NAME GPU
     tune_fwd|tune_bwd|tune_fwd2|tune_bwd2|tune_fwd3|tune_bwd3)  # config sweeps against cuDNN (scripts/tune.py)
       local what=${1#tune_}; what=${what%[23]}
       stage "$1" ${TUNE_BUDGET:-240} "$g" python3 scripts/tune.py --what "$what" \
-        --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(( ${TUNE_BUDGET:-240} - 15 )) \
+        --jobs ${TUNE_JOBS:-10} $(tune_args "$1") --time-budget $(inner ${TUNE_BUDGET:-240} 15) \
         --out "$R/$1" ;;
     train_script)  # make demo's GPU path end to end: scripts/gpu_train.sh (both runs,
       # compare, crosscheck, speed), into $OUT/r/train_script
@@ -127,7 +133,7 @@ run_stage() {  # run_stage NAME GPU
                   -rfE tests/test_multi_gpu.py ;;
     # shellcheck disable=SC2086
     mgpu_bench) stage mgpu_bench ${MGPU_BUDGET:-260} "$g" python3 scripts/bench_multi_gpu.py \
-                  ${MGPU_ARGS:-} --out "$R/mgpu" --time-budget $(( ${MGPU_BUDGET:-260} - 40 )) ;;
+                  ${MGPU_ARGS:-} --out "$R/mgpu" --time-budget $(inner ${MGPU_BUDGET:-260} 40) ;;
     *) echo "unknown stage $1" | tee -a "$R/stages.txt" ;;
   esac
 }

@@ -237,10 +237,18 @@ def _fitting(cands, D):
 
 def _visible_pairs(T: int, causal: bool, window: int | None,
                    docs: int | None = None) -> float:
-  """Visible (query, key) pairs of one (batch, head), Tq = Tk = T (FA3's FLOP
-  rule); with ``docs``, T holds that many equal documents, each on its own."""
+  """(Query, key) pairs counted for one (batch, head), Tq = Tk = T, as
+  flash3-bench counts them: FA3's T * T / 2 for plain causal, else the
+  visible pairs exactly; with ``docs``, T holds that many equal documents,
+  each on its own."""
   if docs is not None:
-    return docs * _visible_pairs(T // docs, causal, window)
+    return docs * _exact_pairs(T // docs, causal, window)
+  if causal and window is None:
+    return T * T / 2
+  return _exact_pairs(T, causal, window)
+
+
+def _exact_pairs(T: int, causal: bool, window: int | None) -> float:
   pos = np.arange(T)
   lo = np.zeros(T) if window is None else np.maximum(0, pos - window)
   if causal:

@@ -629,6 +629,23 @@ def test_headline_wins_do_not_count_the_subjects_own_variants():
   assert "of 2 cases" not in report.headline(rows)
 
 
+def test_headline_leaves_dense_mask_cases_out_of_its_means():
+  """cuDNN given packed documents as a dense mask computes every pair: those
+  cases are listed apart, not in the means or the tallies."""
+  rows = [_row("cudnn", "fwd", 1024, 1.0), _row("flash3", "fwd", 1024, 0.8),
+          _row("cudnn", "fwd", 4096, 10.0), _row("flash3", "fwd", 4096, 1.0)]
+  rows[2].variant = results_lib.DENSE_MASK  # The documents case.
+  results_lib.add_ratios(rows, "cudnn")
+  lines = report.headline(rows).splitlines()
+  means = next(l for l in lines if l.startswith("| fa3 | float16 | 128 | fwd |"))
+  assert means.split(" | ")[4] == "1.25 (1.25-1.25; 1) |"
+  assert "- fa3 fwd: 1 of 1 cases" in lines
+  i = next(i for i, l in enumerate(lines) if l.startswith("Not in the means"))
+  assert "dense mask" in lines[i] and lines[i + 1] == "- fa3 fwd: 10.00 (10.00-10.00; 1)"
+  plain = [r for r in rows if r.q_len == 1024]
+  assert "Not in the means" not in report.headline(plain)
+
+
 def test_headline_pairs_like_for_like():
   # flash3 (deterministic) against cudnn-det; flash3-nondet against cudnn.
   # ms 0.9 vs 1.2 and 0.6 vs 1.2: speed ratios 1.33 and 2.0, geomean 1.63.
@@ -770,18 +787,36 @@ def test_replot_of_one_finished_run_changes_nothing(tmp_path):
   assert env == ENV and _dicts(rows) == _dicts(synthetic_results())
 
 
-def test_merge_later_rows_replace_earlier_except_unavailable():
+def test_merge_a_rerun_replaces_every_row_of_its_cases():
+  """A ratio never pairs rows of two runs: a case re-run replaces all its
+  rows (a contender the re-run lacks, too); other cases stay as they were."""
   first = [_row("flash3", "fwd", 1024, 2.0), _row("cudnn", "fwd", 1024, 1.0),
-           _row("jax-mgpu", "fwd", 1024, 1.5)]
-  rerun = [_row("flash3", "fwd", 1024, 0.5),
-           _row("cudnn", "fwd", 1024, None, status="unavailable"),
+           _row("tokamax", "fwd", 1024, 1.0), _row("jax-mgpu", "fwd", 1024, 1.5),
+           _row("flash3", "fwd", 4096, 4.0), _row("cudnn", "fwd", 4096, 5.0)]
+  rerun = [_row("flash3", "fwd", 1024, 0.5), _row("cudnn", "fwd", 1024, 1.1),
            _row("tokamax", "fwd", 1024, None, status="unavailable")]
-  merged = {r.impl: r for r in results_lib.merge([first, rerun], "cudnn")}
-  assert merged["flash3"].median_ms == 0.5  # The re-run's row.
-  assert merged["cudnn"].status == "ok"  # Not replaced by "unavailable".
-  assert merged["tokamax"].status == "unavailable"  # New rows are kept.
-  assert merged["flash3"].ratio_to_baseline == pytest.approx(2.0)
-  assert merged["jax-mgpu"].ratio_to_baseline == pytest.approx(1 / 1.5)
+  merged = {(r.impl, r.q_len): r
+            for r in results_lib.merge([first, rerun], "cudnn")}
+  assert merged["flash3", 1024].median_ms == 0.5  # The re-run's rows.
+  assert merged["flash3", 1024].ratio_to_baseline == pytest.approx(2.2)
+  assert merged["tokamax", 1024].status == "unavailable"  # Not the old row.
+  assert merged["tokamax", 1024].ratio_to_baseline is None
+  assert ("jax-mgpu", 1024) not in merged
+  assert merged["flash3", 4096].ratio_to_baseline == pytest.approx(1.25)
+  assert len(merged) == 5
+
+
+def test_derived_backward_subtracts_the_same_variants_forward():
+  """fwd+bwd of variant A minus fwd of variant A (``fwd_ms``), never the
+  forward of another variant that was the fastest forward."""
+  fwd = dataclasses.replace(_row("flash3", "fwd", 1024, 1.0), variant="b")
+  both = dataclasses.replace(_row("flash3", "fwd+bwd", 1024, 3.0), variant="a")
+  (bwd,) = results_lib.derive_backward([fwd, both])
+  assert bwd.status == "unsupported" and "variant 'a'" in bwd.reason
+  both.fwd_ms = 1.25
+  (bwd,) = results_lib.derive_backward([fwd, both])
+  assert bwd.status == "ok" and bwd.median_ms == pytest.approx(1.75)
+  assert bwd.variant == "a"
 
 
 def test_merge_environments():
@@ -1080,6 +1115,34 @@ def test_runner_reports_ok_wrong_unsupported_unavailable(monkeypatch):
   assert got[("refuses", "fwd+bwd")].reason == "Unsupported: float16 only"
   assert got[("absent", "bwd")].status == "unavailable"
   assert calls == [3, 3]  # Only the correct contender was timed.
+
+
+def test_runner_derives_the_backward_within_one_variant(monkeypatch):
+  """Variant "b" has the fastest forward and "a" the fastest fwd+bwd: the
+  backward is a's fwd+bwd minus a's forward."""
+  clock = {(1.0, "fwd"): 1.0, (1.0, "fwd+bwd"): 3.0,
+           (2.0, "fwd"): 0.8, (2.0, "fwd+bwd"): 3.5}
+
+  def fake_measure(fn, args, iterations, warmup):
+    mode = "fwd" if len(fn(*args)) == 1 else "fwd+bwd"
+    return timing.Timing((clock[float(args[-1][0]), mode],) * iterations)
+
+  monkeypatch.setattr(timing, "measure", fake_measure)
+
+  def fn(q, k, v, m):
+    del m  # Only tells the variants apart in the clock above.
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+  variants = lambda case, tune: [  # noqa: E731
+      impls.Variant(label, fn, aux=(jnp.array([marker]),))
+      for label, marker in (("a", 1.0), ("b", 2.0))]
+  contenders = [impls.Implementation("cudnn", "cudnn", lambda: None, variants)]
+  case = Case("t", 1, 64, 64, 2, 2, 64, "bfloat16")
+  rows = {r.mode: r for r in runner.run([case], contenders,
+                                        runner.Options(iterations=3))}
+  assert rows["fwd"].variant == "b" and rows["fwd"].median_ms == 0.8
+  assert rows["fwd+bwd"].variant == "a" and rows["fwd+bwd"].fwd_ms == 1.0
+  assert rows["bwd"].variant == "a"
+  assert rows["bwd"].median_ms == pytest.approx(2.0)
 
 
 def test_runner_interleaves_the_timing_of_contenders(monkeypatch):

@@ -159,7 +159,21 @@ def test_tune_visible_pairs_of_packed_documents():
   # Two documents of 4: each sees 4 * 5 / 2 pairs causal, 16 without.
   assert tune._visible_pairs(8, True, None, docs=2) == 20
   assert tune._visible_pairs(8, False, None, docs=2) == 32
-  assert tune._visible_pairs(8, True, None) == 36
+  assert tune._visible_pairs(8, True, None) == 32  # FA3's T * T / 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("docs", [None, 4])
+def test_tune_counts_flops_as_flash3_bench_does(causal, window, docs):
+  """tune.py's TFLOP/s and flash3-bench's are of one FLOP count."""
+  from flash3.bench import cases, flops
+  tune = _tune_module()
+  T, B, N, D = 512, 2, 4, 64
+  case = cases.Case("t", B, T, T, N, N, D, causal=causal, num_docs=docs,
+                    window=None if window is None else (window, 0 if causal else window))
+  assert 4 * B * N * D * tune._visible_pairs(T, causal, window, docs) == (
+      flops.forward_flops(case))
 
 
 def test_tune_ab_unknown_field():

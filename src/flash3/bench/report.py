@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Iterable
 
-from flash3.bench.results import FIELDS, Result
+from flash3.bench.results import DENSE_MASK, FIELDS, Result
 
 ENV_FIELDS = ("gpu", "driver", "cuda_runtime", "jax", "jaxlib", "cudnn",
               "tokamax", "flash3", "git_commit", "source_tree", "date")
@@ -264,12 +264,23 @@ def headline(results: Iterable[Result], subject: str = "flash3",
   """The headline figures, in Markdown: each contender's speed over the
   baseline's as a geometric mean (min-max; cases) per suite, dtype, head dim
   and mode, and over each suite; then on how many cases of each mode the
-  subject is at least as fast as every other contender that ran."""
+  subject is at least as fast as every other contender that ran.
+
+  A contender given packed documents as a dense mask (``DENSE_MASK``
+  variant: jax.nn turns it into a bias and computes every pair) is not the
+  same work: those cases stay out of the means and tallies against it, and
+  are listed apart."""
   ran = [r for r in results if r.status == "ok" and r.tflops]
-  results = [r for r in ran
-             if r.ratio_to_baseline is not None and r.ratio_to_baseline > 0]
+  dense = {(r.case_key(), r.mode, r.impl) for r in ran if r.variant == DENSE_MASK}
+  apart = [r for r in ran if r.ratio_to_baseline
+           and (r.case_key(), r.mode, baseline) in dense]
+  ran = [r for r in ran if (r.case_key(), r.mode, r.impl) not in dense]
+  apart_ids = {id(r) for r in apart}
+  results = [r for r in ran if r.ratio_to_baseline is not None
+             and r.ratio_to_baseline > 0 and id(r) not in apart_ids]
   if not results:  # The baseline did not run: only the like-for-like pairs.
-    return "\n".join(_like_for_like(ran, subject, baseline)).strip("\n")
+    return "\n".join(_like_for_like(ran, subject, baseline)
+                     + _dense_apart(apart, subject, baseline)).strip("\n")
   others = sorted({r.impl for r in results} - {subject, baseline})
   impls = [i for i in [subject] + others if any(r.impl == i for r in results)]
   kinds: dict[str, set] = {}  # Suite -> its (dtype, D): "all" rows if several.
@@ -311,7 +322,22 @@ def headline(results: Iterable[Result], subject: str = "flash3",
     lines += [f"- {suite} {mode}: {w} of {n} cases"
               for (suite, mode), (w, n) in sorted(wins.items())]
   lines += _like_for_like(ran, subject, baseline)
+  lines += _dense_apart(apart, subject, baseline)
   return "\n".join(lines)
+
+
+def _dense_apart(apart, subject: str, baseline: str) -> list[str]:
+  """The cases left out of the means because the baseline ran a dense mask."""
+  groups: dict[tuple, list[float]] = {}
+  for r in apart:
+    if r.impl == subject:
+      groups.setdefault((r.suite, r.mode), []).append(r.ratio_to_baseline)
+  if not groups:
+    return []
+  return ["", f"Not in the means above: {baseline} was given a dense mask "
+              f"(it computes every pair), {subject}/{baseline}:"] + [
+      f"- {suite} {mode}: {_geomean_cell(ratios)}"
+      for (suite, mode), ratios in sorted(groups.items())]
 
 
 # Pairs that run the backward the same way: (numerator, denominator, what).

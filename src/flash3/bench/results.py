@@ -16,6 +16,10 @@ from flash3.bench import flops as flops_lib
 
 STATUSES = ("ok", "wrong", "unsupported", "unavailable")
 
+# The variant label of a contender given packed documents as a dense
+# (B, 1, T, T) mask: not the same work (every pair is computed).
+DENSE_MASK = "dense mask"
+
 
 @dataclasses.dataclass
 class Result:
@@ -42,6 +46,9 @@ class Result:
   ratio_to_baseline: float | None = None
   check_ratio: float | None = None  # worst error / allowed error.
   times_ms: list[float] = dataclasses.field(default_factory=list)
+  # fwd+bwd rows: the forward's median of this same variant, which the
+  # derived backward subtracts (the fwd row's best variant may be another).
+  fwd_ms: float | None = None
 
   @classmethod
   def for_case(cls, case, impl: str, mode: str, status: str, **kwargs):
@@ -66,7 +73,9 @@ FIELDS = [f.name for f in dataclasses.fields(Result)]
 def derive_backward(results: list[Result]) -> list[Result]:
   """Backward-alone rows: fwd+bwd time minus fwd time, per case and contender.
 
-  Only where both were measured; the FLOPs are 2.5x the forward's.
+  Only where both were measured, and of one variant: the fwd+bwd row's own
+  (its ``fwd_ms``, or the fwd row when that is the same variant). The FLOPs
+  are 2.5x the forward's.
   """
   by_key = {(r.case_key(), r.impl, r.mode): r for r in results}
   derived = []
@@ -77,6 +86,7 @@ def derive_backward(results: list[Result]) -> list[Result]:
     row = dataclasses.replace(r, mode="bwd", times_ms=[], min_ms=None,
                               max_ms=None, median_ms=None, tflops=None,
                               ratio_to_baseline=None, check_ratio=None,
+                              fwd_ms=None,
                               flops=r.flops / (1 + flops_lib.BACKWARD_FACTOR)
                               * flops_lib.BACKWARD_FACTOR)
     if fwd is None or fwd.status != "ok" or r.status != "ok":
@@ -86,7 +96,15 @@ def derive_backward(results: list[Result]) -> list[Result]:
                                 "no forward measurement")
       derived.append(row)
       continue
-    row.median_ms = r.median_ms - fwd.median_ms
+    fwd_ms = r.fwd_ms if r.fwd_ms is not None else (
+        fwd.median_ms if fwd.variant == r.variant else None)
+    if fwd_ms is None:  # fwd+bwd of one variant minus fwd of another: no.
+      row.status = "unsupported"
+      row.reason = (f"no forward measurement of variant {r.variant!r} (the "
+                    f"fastest forward was {fwd.variant!r})")
+      derived.append(row)
+      continue
+    row.median_ms = r.median_ms - fwd_ms
     row.tflops = flops_lib.tflops_per_s(row.flops, row.median_ms)
     row.reason = "fwd+bwd minus fwd"
     derived.append(row)
@@ -113,22 +131,23 @@ def merge(row_lists: list[list[Result]], baseline: str) -> list[Result]:
   """One set of results from several runs: the shards of a suite, or a run
   and a re-run of some of its cases.
 
-  The measured rows ("fwd", "fwd+bwd") are kept; for the same case,
-  contender and mode a later list's row replaces an earlier one, except that
-  an "unavailable" row replaces nothing. Backward-alone rows and ratios are
-  derived again from the kept rows, so the checkpoint of a run that was cut
-  off (which has neither) merges like a finished run's results.
+  The measured rows ("fwd", "fwd+bwd") are kept, a case's rows all from one
+  run: a later list that has a case replaces every row of that case (each
+  contender, each mode), so a ratio or a derived backward never pairs rows of
+  two runs (cuDNN is measured in the same run as what it is compared with).
+  Backward-alone rows and ratios are derived again from the kept rows, so the
+  checkpoint of a run that was cut off (which has neither) merges like a
+  finished run's results.
   """
-  kept = {}
+  kept: dict[tuple, list[Result]] = {}
   for rows in row_lists:
+    cases: dict[tuple, list[Result]] = {}
     for r in rows:
-      if r.mode == "bwd":
-        continue
-      key = (r.case_key(), r.impl, r.mode)
-      if r.status == "unavailable" and key in kept:
-        continue
-      kept[key] = dataclasses.replace(r, ratio_to_baseline=None)
-  merged = list(kept.values())
+      if r.mode != "bwd":
+        cases.setdefault(r.case_key(), []).append(
+            dataclasses.replace(r, ratio_to_baseline=None))
+    kept.update(cases)
+  merged = [r for rows in kept.values() for r in rows]
   merged += derive_backward(merged)
   add_ratios(merged, baseline)
   return merged

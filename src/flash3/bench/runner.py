@@ -361,6 +361,7 @@ def run_case(case: Case, implementations: list[impls.Implementation],
       gc.collect()
       times.run += time.monotonic() - t0
   out = []
+  fwd_ms = {}  # (contender, variant) -> its forward median, for the fwd+bwd rows.
   for mode, name, jobs in plan:
     if jobs is None:
       status, reason = (("unavailable", unavailable[name])
@@ -389,9 +390,14 @@ def run_case(case: Case, implementations: list[impls.Implementation],
         times.run += time.monotonic() - t0
       fields["variant"] = job.variant.label
       fields["config"] = job.variant.config
+      if mode == "fwd" and fields["status"] == "ok":
+        fwd_ms[name, job.variant.label] = fields["median_ms"]
       if best is None or _better(fields, best):
         best = fields
     out.append(Result.for_case(case, name, mode, **best))
+  for r in out:  # The backward is derived within one variant (results.py).
+    if r.mode == "fwd+bwd":
+      r.fwd_ms = fwd_ms.get((r.impl, r.variant))
   return out
 
 
