@@ -48,8 +48,9 @@ def _loss(impl, kw):
   return loss
 
 
-def _check_against_reference(kw, with_sinks=False, **shape):
+def _check_against_reference(kw, with_sinks=False, zero_q_rows=(), **shape):
   q, k, v, _ = _inputs(**shape)
+  q = q.at[:, list(zero_q_rows)].set(0)  # Scores of exactly 0.
   args = (q, k, v) + ((jnp.linspace(-1.0, 2.0, q.shape[2]),) if with_sinks else ())
   argnums = tuple(range(len(args)))
   with _kernels():
@@ -469,3 +470,35 @@ def test_gpu_checkpoint_gives_the_same_gradients():
   for g, want in zip(grads, plain):
     # The recomputed forward is the same deterministic kernel: bitwise equal.
     np.testing.assert_array_equal(np.asarray(g, np.float32), want)
+
+
+def test_scale_over_soft_cap_past_float32_max_gives_no_nan():
+  """scale / logits_soft_cap past float32's max (both in range alone): the
+  kernels' factor on the scores overflowed to inf and a zero score gave
+  0 * inf = NaN in o, lse and dq. The XLA path computes (s * scale) / cap."""
+  _check_against_reference(dict(scale=1e9, logits_soft_cap=1e-30), Tq=64, Tk=64,
+                           zero_q_rows=(5, 40))
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "xla"])
+def test_nan_cotangent_on_rows_that_see_no_key_reaches_no_gradient(impl):
+  """docs/semantics.md §3: a blind row adds nothing to dq, dk, dv whatever its
+  cotangent (the XLA path gave NaN in all of dv: 0 * NaN)."""
+  q, k, v, do = _inputs(Tq=96, Tk=64)
+  # Rows >= 80 are padding; bottom-right aligns query 79 with key 63, so
+  # rows < 16 see no key.
+  kw = dict(is_causal=True, causal_alignment="bottom_right",
+            query_seq_lengths=jnp.array([80]))
+  blind = (jnp.arange(96) < 16) | (jnp.arange(96) >= 80)
+
+  def grads(cot):
+    with _kernels():
+      _, vjp = jax.vjp(lambda q, k, v: flash3.dot_product_attention(
+          q, k, v, implementation=impl, **kw), q, k, v)
+      return vjp(cot.astype(q.dtype))
+  nan = grads(jnp.where(blind[None, :, None, None], jnp.nan, do))
+  zero = grads(jnp.where(blind[None, :, None, None], 0.0, do))
+  for name, a, b in zip("qkv", nan, zero):
+    a = np.asarray(a, np.float32)
+    assert np.isfinite(a).all(), name
+    np.testing.assert_array_equal(a, np.asarray(b, np.float32), err_msg=name)

@@ -404,6 +404,13 @@ def test_e06_fully_masked_rows_are_zero_with_lse_minus_inf(source, with_sinks):
   for name in names:
     assert np.isfinite(g[name]).all(), name
     assert (g[name] == 0).all(), name
+  # Nor does a NaN one: the kernels never read it (was 0 * NaN in every dv).
+  nan_cot = np.where(blind[..., None], np.nan, 1.0).astype(np.float32)
+  g_nan = flash_grads(q, k, v, None, sinks_arg, nan_cot, **kw_grad)
+  g_one = flash_grads(q, k, v, None, sinks_arg, np.where(blind[..., None], 0.0, 1.0)
+                      .astype(np.float32), **kw_grad)
+  for name in names:
+    np.testing.assert_array_equal(g_nan[name], g_one[name], err_msg=name)
   g_all = flash_grads(q, k, v, None, sinks_arg, np.ones_like(q), **kw_grad)
   assert np.isfinite(g_all["query"]).all()
   assert (g_all["query"][blind] == 0).all()

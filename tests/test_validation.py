@@ -672,3 +672,17 @@ def test_lengths_of_rank3_inputs_are_one_value(name):
   assert name in str(info.value) and "(2,)" in str(info.value)
   out = flash3.dot_product_attention(q3, k3, k3, **{name: np.int32(1)})
   assert out.shape == q3.shape
+
+
+@pytest.mark.parametrize("window", [3, (5, 0), (2**40, 1)])
+def test_export_with_a_symbolic_length_takes_a_window(window):
+  """jax.export with a symbolic T: the window is clipped at a fixed bound
+  (min(window, Tq + Tk) raised InconclusiveDimensionOperation)."""
+  from jax import export
+  T, = export.symbolic_shape("t")
+  spec = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
+  f = jax.jit(lambda q, k, v: flash3.dot_product_attention(
+      q, k, v, local_window_size=window, is_causal=True, implementation="xla"))
+  exported = export.export(f)(spec, spec, spec)
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 40, 2, 16)) for i in range(3))
+  np.testing.assert_array_equal(exported.call(q, k, v), f(q, k, v))

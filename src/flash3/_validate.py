@@ -124,6 +124,9 @@ def _static_int(x) -> int | None:
   return None
 
 
+WINDOW_CLIP_SYMBOLIC = 2**30
+
+
 def _window(local_window_size, longest: int) -> tuple[int, int] | None:
   if local_window_size is None:
     return None
@@ -145,6 +148,10 @@ def _window(local_window_size, longest: int) -> tuple[int, int] | None:
         "allowed: sizes >= 0 (0 keeps only the aligned position itself)")
   # No aligned query is further than Tq + Tk from any key: larger sizes mean
   # the same, so clip them (a huge "no limit" value must not overflow int32).
+  # A symbolic Tq + Tk (jax.export) cannot be compared: clip at 2**30, past
+  # any length the kernels take and within int32 beside a position.
+  if not isinstance(longest, (int, np.integer)):
+    longest = WINDOW_CLIP_SYMBOLIC
   return (min(window[0], longest), min(window[1], longest))
 
 

@@ -102,6 +102,9 @@ def attention_reference(
   o = jnp.einsum("bkgqt,btkd->bqkgd", p, vf,
                  precision=jax.lax.Precision.HIGHEST)
   o = o / l_safe.transpose(0, 3, 1, 2)[..., None]
+  # A blind row's o is 0 whatever its cotangent: select, so a NaN there does
+  # not reach dv, dq or dsinks as 0 * NaN (the kernels never read it).
+  o = jnp.where(q_alive_btn.reshape(B, Tq, K, G, 1), o, 0.0)
   lse = jnp.where(has_mass, m + jnp.log(l_safe), -jnp.inf)
   return (o.reshape(B, Tq, N, D).astype(q.dtype),
           lse.reshape(B, N, Tq).transpose(0, 2, 1))

@@ -112,7 +112,7 @@ def probabilities(s, lse2, *, scale: float, softcap: float | None,
   if softcap is None:
     x = s * (scale * common.LOG2_E) - lse2
     return exp2.split_exp2(x, fma_cols, guard=guard), None
-  th = jnp.tanh(s * (scale / softcap))
+  th = jnp.tanh(s * common.softcap_factor(scale, softcap))
   x = th * (softcap * common.LOG2_E) - lse2
   return exp2.split_exp2(x, fma_cols, guard=guard), th
 

@@ -34,6 +34,16 @@ import numpy as np
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def softcap_factor(scale: float, softcap: float) -> float:
+  """scale / softcap, the kernels' one factor on the raw scores before tanh,
+  held to float32's max: past it the factor was inf and a zero score gave
+  0 * inf = NaN. Held, tanh of every score of magnitude above ~1e-37 still
+  saturates at +-1, as under the true factor; a zero score gives 0."""
+  return min(scale / softcap, _FLOAT32_MAX)
+
 
 # The kernels' grid and thread axis names. Inside a kernel,
 # ``lax.axis_index(name)`` resolves ``name`` against the JAX mesh axes FIRST

@@ -835,7 +835,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
         s = common.scale_rounded(s, score_scale, interpret=staging)
       elif not raw_scores:
         # The cap acts on natural-unit scores; then into the exp2 domain.
-        s = jnp.tanh(s * (scale / softcap)) * (softcap * common.LOG2_E)
+        s = jnp.tanh(s * common.softcap_factor(scale, softcap)) * (softcap * common.LOG2_E)
       if masked:
         k0 = t * block_kv + (0 if part is None else part[0])
         same_doc = None
