@@ -1022,20 +1022,33 @@ def test_interpret_lengths_equal_to_t_are_bitwise_no_lengths_e11():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("sinks", [None, [0.7, -0.3]], ids=["plain", "sinks"])
+# Float16 values whose exp2 round trip (sink * log2(e), then * ln 2) was 1
+# ulp off in float32: the fresh-user fuzz's (thirty-eighth session).
+@pytest.mark.parametrize("sinks", [None, [0.7, -0.3], [-3.939, 0.4426]],
+                         ids=["plain", "sinks", "sinks_off_by_an_ulp"])
 def test_interpret_rows_that_see_no_key_e06(sinks):
-  """E06 (lengths): padded rows and rows of a zero-length key row: o 0, lse -inf (or the sink)."""
+  _check_rows_that_see_no_key(sinks, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinks", [None, [-3.939, 0.4426]], ids=["plain", "sinks"])
+def test_gpu_rows_that_see_no_key_lengths_e06(sinks):
+  _check_rows_that_see_no_key(sinks, interpret=False)
+
+
+def _check_rows_that_see_no_key(sinks, interpret):
+  """E06 (lengths): padded rows and rows of a zero-length key row: o 0, lse
+  -inf (or exactly the sink)."""
   q, k, v = make_qkv(jax.random.key(6), 2, 140, 96, 2, 1, 64, jnp.bfloat16)
   opts = _opts(dict(q_lengths=[70, 140], kv_lengths=[96, 0]))
   if sinks is not None:
-    opts["sinks"] = jnp.asarray(sinks, jnp.float32)
-  o, lse = run_interpret_opts(q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
+    opts["sinks"] = jnp.asarray(np.float16(sinks), jnp.float32)
+  o, lse = _forward_on(interpret, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
   o, lse = np.asarray(o, np.float32), np.asarray(lse)
   assert np.all(o[0, 70:] == 0) and np.all(o[1] == 0)
-  expect = -np.inf if sinks is None else np.asarray(sinks)[:, None]
-  np.testing.assert_allclose(np.broadcast_to(lse[0, :, 70:], (2, 70)),
-                             np.broadcast_to(expect, (2, 70)), rtol=1e-6)
-  np.testing.assert_allclose(lse[1], np.broadcast_to(expect, (2, 140)), rtol=1e-6)
+  expect = -np.inf if sinks is None else np.asarray(opts["sinks"])[:, None]
+  np.testing.assert_array_equal(lse[0, :, 70:], np.broadcast_to(expect, (2, 70)))
+  np.testing.assert_array_equal(lse[1], np.broadcast_to(expect, (2, 140)))
   assert_matches_opts(o, lse, q, k, v, scale=0.125, mask=CAUSAL_BR, **opts)
 
 

@@ -691,6 +691,7 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       sink2 = sink * common.LOG2_E
       m_fin = jnp.maximum(m, sink2)
       m_fin = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+      saw_no_key = m == -jnp.inf
       alpha = jnp.exp2(m - m_fin)
       # A sink above float32's max / log2(e) (or +inf) is +inf here, and the
       # row's max: exp2(0) = 1, not exp2(inf - inf) = NaN.
@@ -710,9 +711,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * common.LN_2,
                     -jnp.inf)
     if has_sinks:
-      # Such a sink outweighs every finite score: the lse is the sink itself,
-      # as the reference's (an overflowed score alone keeps its NaN).
-      lse = jnp.where((m == jnp.inf) & (m == sink2), sink, lse)
+      # The sink alone is the denominator of a row that saw no key, and
+      # outweighs every finite score where it is +inf here: the lse is the
+      # sink itself, as the reference's (the exp2 round trip was 1 ulp off;
+      # an overflowed score alone keeps its NaN).
+      lse = jnp.where(saw_no_key | ((m == jnp.inf) & (m == sink2)), sink, lse)
     if has_lengths:
       # Rows i >= q_len see nothing: they were computed like the others and
       # are replaced here (selected, so NaN in their q cannot leak). Without
