@@ -41,12 +41,13 @@ BENCH=${BENCH:-"--suite fa3 --seqlens 4096,16384 --dtypes bfloat16 --no-tune"}
 TEST_ARGS=${TEST_ARGS:-"tests/test_forward_kernel.py tests/test_backward_kernel.py"}
 
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+clamp() { local t; t=$(left); echo $(( $1 < t ? $1 : t )); }  # a budget cut to the deadline
 pack() { tar czf "$OUT/results.tar.gz" --exclude='*.npz' --exclude='*.pb' -C "$OUT" r 2>/dev/null; }
 stage() {  # stage NAME BUDGET_S GPUS command...
   local name=$1 budget=$2 gpu=$3; shift 3
   local t; t=$(left)
   if [ "$t" -lt 30 ]; then echo "== $name: skipped, $t s left" | tee -a "$R/stages.txt"; return; fi
-  [ "$budget" -gt "$t" ] && budget=$t
+  budget=$(clamp "$budget")
   echo "== $name: start (budget $budget s, GPU $gpu)" | tee -a "$R/stages.txt"
   local s=$(date +%s)
   CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 "$budget" "$@" > "$R/$name.log" 2>&1
@@ -57,8 +58,7 @@ stage() {  # stage NAME BUDGET_S GPUS command...
 inner() {  # inner BUDGET MARGIN: a script's own --time-budget inside its stage,
   # from the budget as `stage` will cut it to the deadline (else the timeout
   # kills the script mid-case, before it writes its tables)
-  local t b=$1; t=$(left); [ "$b" -gt "$t" ] && b=$t
-  b=$(( b - $2 )); [ "$b" -lt 10 ] && b=10; echo "$b"
+  local b; b=$(( $(clamp "$1") - $2 )); [ "$b" -lt 10 ] && b=10; echo "$b"
 }
 shared() {  # Several processes on one GPU: memory on demand.
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 "$@"

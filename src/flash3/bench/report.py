@@ -272,12 +272,11 @@ def headline(results: Iterable[Result], subject: str = "flash3",
   are listed apart."""
   ran = [r for r in results if r.status == "ok" and r.tflops]
   dense = {(r.case_key(), r.mode, r.impl) for r in ran if r.variant == DENSE_MASK}
-  apart = [r for r in ran if r.ratio_to_baseline
-           and (r.case_key(), r.mode, baseline) in dense]
+  vs_dense = lambda r: (r.case_key(), r.mode, baseline) in dense  # noqa: E731
+  apart = [r for r in ran if r.ratio_to_baseline and vs_dense(r)]
   ran = [r for r in ran if (r.case_key(), r.mode, r.impl) not in dense]
-  apart_ids = {id(r) for r in apart}
   results = [r for r in ran if r.ratio_to_baseline is not None
-             and r.ratio_to_baseline > 0 and id(r) not in apart_ids]
+             and r.ratio_to_baseline > 0 and not vs_dense(r)]
   if not results:  # The baseline did not run: only the like-for-like pairs.
     return "\n".join(_like_for_like(ran, subject, baseline)
                      + _dense_apart(apart, subject, baseline)).strip("\n")
