@@ -502,3 +502,15 @@ def test_nan_cotangent_on_rows_that_see_no_key_reaches_no_gradient(impl):
     a = np.asarray(a, np.float32)
     assert np.isfinite(a).all(), name
     np.testing.assert_array_equal(a, np.asarray(b, np.float32), err_msg=name)
+
+
+def test_mosaic_refusal_names_every_reason():
+  # Docs-vs-code review: float32 with a bias, a mask and D = 264 named only the
+  # dtype; mending it met the bias next, and so on.
+  q = jnp.zeros((1, 8, 2, 264), jnp.float32)
+  with flash3.interpret_kernels(), pytest.raises(NotImplementedError) as info:
+    flash3.dot_product_attention(q, q, q, bias=jnp.zeros((8, 8)),
+                                 mask=jnp.ones((8, 8), bool), implementation="mosaic")
+  message = str(info.value)
+  for fragment in ("float32 inputs", "bias, mask", "head_dim 264"):
+    assert fragment in message, (fragment, message)

@@ -380,6 +380,16 @@ def test_ragged_list_arguments_are_a_type_error_naming_them(name, ragged):
   expect(TypeError, name, "rectangular", **kw)
 
 
+@pytest.mark.parametrize("name, value, says", [
+    ("bias", [["a"]], "<U1"), ("mask", [["a"]], "<U1"), ("mask", [[None]], "object"),
+    ("sinks", ["a", "b"], "<U1"), ("query_seq_lengths", ["a"], "<U1"),
+    ("query_seq_lengths", "3", "str"), ("key_value_seq_lengths", object(), "object")])
+def test_non_numeric_arguments_are_a_type_error_naming_them(name, value, says):
+  # Docs-vs-code review: these reached jnp.asarray or jax's dtype lookup and
+  # raised jax's own TypeError, which names no argument.
+  expect(TypeError, name, says, **{name: value})
+
+
 def test_float64_rejected_under_x64():
   with jax.enable_x64(True):
     q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv())

@@ -11,6 +11,7 @@ import contextlib
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax._src import config as _jax_config
 
 from flash3._device import why_not_hopper
@@ -74,9 +75,10 @@ def interpret_params():
 
 
 def _feature_reason(p: Problem, supported: frozenset[str]) -> str | None:
-  """Options of this call that the forward kernel does not take."""
+  """Options of this call that the forward kernel does not take, all of them."""
+  reasons = []
   if p.q.dtype.itemsize != 2:
-    return f"{p.q.dtype} inputs (the kernels take float16 or bfloat16)"
+    reasons.append(f"{p.q.dtype} inputs (the kernels take float16 or bfloat16)")
   needed = {
       "bias": p.bias is not None,
       "mask": p.mask is not None,
@@ -87,21 +89,25 @@ def _feature_reason(p: Problem, supported: frozenset[str]) -> str | None:
   }
   unsupported = [name for name, used in needed.items() if used and name not in supported]
   if unsupported:
-    return f"{', '.join(unsupported)} (not supported by the kernels yet)"
-  return None
+    reasons.append(f"{', '.join(unsupported)} (not supported by the kernels yet)")
+  return "; ".join(reasons) or None
 
 
 def forward_reason(p: Problem) -> str | None:
-  """None if the forward kernel takes this problem, else why not."""
+  """None if the forward kernel takes this problem, else every reason why
+  not (a user who mends one should not meet the next one after)."""
   if _INTERPRET.value == "off" and (reason := why_not_hopper()):
     return reason
   try:
     from flash3.kernels import forward
   except ImportError:
     return "the forward kernel is not available in this build"
-  if reason := _feature_reason(p, getattr(forward, "SUPPORTED_FEATURES", frozenset())):
-    return reason
-  return forward.unsupported_reason(p.q.shape, p.k.shape, p.q.dtype, p.spec)
+  features = _feature_reason(p, getattr(forward, "SUPPORTED_FEATURES", frozenset()))
+  # The shape checks under a dtype the kernels take: an unsupported dtype is
+  # named above already.
+  dtype = p.q.dtype if p.q.dtype.itemsize == 2 else jnp.dtype(jnp.float16)
+  shapes = forward.unsupported_reason(p.q.shape, p.k.shape, dtype, p.spec)
+  return "; ".join(r for r in (features, shapes) if r) or None
 
 
 def warn_once(message: str) -> None:

@@ -80,16 +80,26 @@ def _array_from_list(name: str, x, of: str = "floats"):
   """A list or tuple of numbers as an array (NumPy, or jax when it holds
   tracers); a ragged or non-numeric one is refused naming the argument."""
   try:
-    return _host_or_traced(x)
+    array = _host_or_traced(x)
   except (ValueError, TypeError, OverflowError) as e:
     raise TypeError(
         f"{name} is a {type(x).__name__} that is not a rectangular array of numbers "
         f"({e}); allowed: a jax or NumPy array, or nested lists of {of}") from None
+  if array.dtype.kind not in "biuf":  # strings, None (object), complex
+    raise TypeError(
+        f"{name} is a {type(x).__name__} of dtype {array.dtype}, not numbers; "
+        f"allowed: a jax or NumPy array, or nested lists of {of}")
+  return array
 
 
 def _check_int(name: str, x) -> None:
-  if not jnp.issubdtype(_dtype(x), jnp.integer):
-    raise TypeError(f"{name} has dtype {_given_dtype(x)}; allowed: an integer dtype (int32)")
+  try:
+    dtype, given = _dtype(x), _given_dtype(x)
+  except TypeError:  # e.g. a str or an object, which jax has no dtype for
+    raise TypeError(f"{name} is of type {type(x).__name__}; allowed: an integer array "
+                    "(int32)") from None
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} has dtype {given}; allowed: an integer dtype (int32)")
 
 
 def _check_broadcast(name: str, x, target: tuple[int, ...]) -> None:
