@@ -26,7 +26,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 (``epilogue_off_turn``); ``--only overlap`` also runs P in registers;
 ``--only trim`` the forward's trimmed end tile (``trim_end_tile``);
 ``--only delta`` the backward's delta formed in the dq kernel (``fuse_delta``);
-``--only block_q128`` the forward with 128 query rows per warpgroup.
+``--only block_q128`` the forward with 128 query rows per warpgroup;
+``--only fma_exponent`` the forward's exp2 argument as one FMA (``fma_exponent``).
 """
 import argparse
 import sys
@@ -236,6 +237,23 @@ def block_q128_cases():
       raise SystemExit(f"block_q=128 case {fields} computed nothing or non-finite values")
 
 
+def fma_exponent_cases():
+  """exp2's argument as one FMA per score (``ForwardConfig.fma_exponent``):
+  D = 64 and 128, causal and a window; its warp vote touches no shared
+  memory, but the loop around it was rebuilt."""
+  from flash3.kernels.config import ForwardConfig
+  from flash3.kernels.forward import attention_forward
+  for d, mask in ((64, MaskSpec(causal=True)), (128, MaskSpec(causal=True, window_left=90))):
+    q = jax.random.normal(jax.random.key(45), (1, 256, 2, d), jnp.bfloat16)
+    k = jax.random.normal(jax.random.key(46), (1, 256, 1, d), jnp.bfloat16)
+    o, _ = attention_forward(q, k, k, scale=0.125, mask=mask, config=ForwardConfig(
+        block_kv=64, scale_first=False, fma_exponent=True))
+    ok = bool(jnp.isfinite(o.astype(jnp.float32)).all()) and bool(jnp.any(o != 0))
+    print(f"fma_exponent, D={d} {mask}: finite and nonzero {ok}")
+    if not ok:
+      raise SystemExit(f"fma_exponent case D={d} computed nothing or non-finite values")
+
+
 def schedule_cases():
   """Causal D = 128's default forward, persistent since the twenty-sixth
   session up to 4096 keys, with its schedule in chunks of the grid's order
@@ -394,7 +412,7 @@ GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "softcap": softcap_cases, "defer": defer_cases,
           "warpgroups": warpgroups_cases, "window": window_cases,
           "off_turn": off_turn_cases, "trim": trim_cases, "delta": delta_cases,
-          "block_q128": block_q128_cases}
+          "block_q128": block_q128_cases, "fma_exponent": fma_exponent_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

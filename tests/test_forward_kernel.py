@@ -456,8 +456,9 @@ def test_interpret_no_races(B, Tq, Tk, N, K, D, mask, config):
 # (tests/test_exp2.py): the edges its exponent handling could break.
 EDGE_CONFIGS = [None, ForwardConfig(block_kv=64, num_stages=2, exp2_fma_cols=32),
                 ForwardConfig(block_kv=64, num_stages=2, scale_first=True),
-                ForwardConfig(block_kv=64, num_stages=2, lazy_rescale=False, scale_first=True)]
-EDGE_IDS = ["default", "exp2_fma", "scale_first", "every_tile"]
+                ForwardConfig(block_kv=64, num_stages=2, lazy_rescale=False, scale_first=True),
+                ForwardConfig(block_kv=64, num_stages=2, fma_exponent=True)]
+EDGE_IDS = ["default", "exp2_fma", "scale_first", "every_tile", "fma_exponent"]
 
 
 @pytest.mark.interpret

@@ -212,6 +212,16 @@ class ForwardConfig:
       exponentiate ``(s - m) * scale * log2(e)``. Both give exp2(0) = 1 at a
       row's max (E03). The first puts the multiplies before the max, the
       second after it, beside the exponentials.
+    fma_exponent: with ``scale_first`` off, exponentiate s * c - round(m * c)
+      as one FMA per score (FlashAttention-3's form) instead of an add and a
+      multiply, the product's rounding error carried per row so that a row's
+      max still gets exp2 of (almost) 0 and P, l and the lse agree
+      (kernels/exponent.py; warps with a reference of 2**22 or more, E03's
+      magnitudes, keep the exact form). Offline (ptxas 13.0, D=128 causal)
+      the unmasked loop's usual path runs 492 instructions per thread and
+      tile instead of the default's 540. No effect with a soft cap. An A/B
+      knob, not yet timed: the softmax bounds a step at D <= 128, and
+      FMA-pipe work added there cost time before (``exp2_fma_cols``).
     fuse_pv_qk: issue each tile's P @ V and the next tile's Q K^T back to
       back and wait for both once, so a warpgroup's two matmuls of a
       ping-pong turn leave no gap on the tensor cores between them (P stays
@@ -298,6 +308,7 @@ class ForwardConfig:
   half_edge_tiles: bool = False
   lazy_rescale: bool = True
   scale_first: bool = False
+  fma_exponent: bool = False
   fuse_pv_qk: bool = False
   schedule_rounds: int = LOCALITY_ROUNDS
   defer_epilogue: bool = False
@@ -346,6 +357,11 @@ class ForwardConfig:
     check_bool("half_edge_tiles", self.half_edge_tiles)
     check_bool("lazy_rescale", self.lazy_rescale)
     check_bool("scale_first", self.scale_first)
+    check_bool("fma_exponent", self.fma_exponent)
+    if self.fma_exponent and self.scale_first:
+      raise ValueError(
+          "fma_exponent=True needs scale_first=False (it folds the scale into "
+          f"exp2's argument); got scale_first={self.scale_first}")
     check_bool("fuse_pv_qk", self.fuse_pv_qk)
     check_multiple("schedule_rounds", self.schedule_rounds, 1, 0, 64)
     check_bool("defer_epilogue", self.defer_epilogue)

@@ -110,7 +110,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash3 import _device
-from flash3.kernels import common, end_tiles, exp2, schedule, sync, tile_mask
+from flash3.kernels import (common, end_tiles, exp2, exponent, schedule, sync,
+                            tile_mask)
 from flash3.kernels.config import (NUM_COMPUTE_WARPGROUPS,
                                    RESCALE_THRESHOLD, ForwardConfig,
                                    check_fits, forward_config,
@@ -635,6 +636,8 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
                 and np.float32(score_scale) >= np.finfo(np.float32).tiny)
   expo_scale = score_scale if raw_scores else 1.0
   in_exp2 = lambda x: x * expo_scale if expo_scale != 1.0 else x
+  # ``fma_exponent``: s * c - round(m * c) per score (kernels/exponent.py).
+  fma_exponent = config.fma_exponent and raw_scores
   # A row's reference moves only when a tile's max exceeds it by more than
   # this (in s's units; clamped to stay finite for a tiny scale).
   threshold = min(RESCALE_THRESHOLD / expo_scale, 1e38)
@@ -864,11 +867,11 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       return m_new, m_new
 
     def lazy_max(s, m, *, masked: bool):
-      """``lazy_rescale``: (reference, the max to subtract, alpha). A row
+      """``lazy_rescale``: (reference, the max to subtract, moves). A row
       keeps its reference m unless the tile's max exceeds it by more than
       ``threshold`` (always when m is still -inf and the row sees a key);
-      alpha is then exp2 of the move, else exactly 1. NaN scores leave m as
-      it is and reach P."""
+      its alpha is then exp2 of the move, else exactly 1. NaN scores leave m
+      as it is and reach P."""
       m_cand = jnp.maximum(m, s.max(axis=1))
       # The difference, not m + threshold: that sum rounds (up by an ulp of m
       # for |m| >= 2**26), which would let P exceed 2**8 (float16's P
@@ -876,19 +879,27 @@ def _kernel_body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, *, extra_refs,
       moves = m_cand - m > threshold
       m_new = jnp.where(moves, m_cand, m)
       m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.where(moves, jnp.exp2(in_exp2(m - m_sub)), 1.0)
-      return m_new, m_sub, alpha
+      return m_new, m_sub, moves
+
+    def exponents(s, m, m_sub):
+      """exp2's arguments: (the rescale's from reference m to m_sub, P's)."""
+      if not fma_exponent:
+        return (in_exp2(m - m_sub),
+                in_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0])))
+      return exponent.exponents(s, m, m_sub, expo_scale, interpret=staging)
 
     def softmax(s, t, m, *, masked: bool, part: tuple[int, int] | None = None,
                 sides=tile_mask.SIDES, kv_ids=None):
       """Tile t's raw scores -> (P_t float32, new row max, the rescale alpha)."""
       s = scores(s, t, masked=masked, part=part, sides=sides, kv_ids=kv_ids)
       if config.lazy_rescale:
-        m_new, m_sub, alpha = lazy_max(s, m, masked=masked)
+        m_new, m_sub, moves = lazy_max(s, m, masked=masked)
       else:
         m_new, m_sub = new_max(s, m, masked=masked)
-        alpha = jnp.exp2(in_exp2(m - m_sub))
-      x = in_exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+      shift, x = exponents(s, m, m_sub)
+      alpha = jnp.exp2(shift)
+      if config.lazy_rescale:
+        alpha = jnp.where(moves, alpha, 1.0)
       p = exp2.split_exp2(x, min(config.exp2_fma_cols, s.shape[1]), guard=staging)
       return p, m_new, alpha
 
