@@ -6,8 +6,9 @@ The exact product error (interpret mode's two-product) is checked against
 float64; the kernel in interpret mode (race detection on) against the float32
 reference and against the option off, over masks and options; rows whose
 reference crosses the size where the exact form takes over, against float64
-NumPy; E03; the lowering for the GPU on the CPU; and on an H100/H200 the same
-cases, where warps of normal rows take the one-FMA form.
+NumPy; the lowering for the GPU on the CPU; and on an H100/H200 the same
+cases, where warps of normal rows take the one-FMA form. E03 runs with this
+option in tests/test_forward_kernel.py (EDGE_CONFIGS, test_gpu_e03_...).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from flash3.kernels import exponent
 from flash3.kernels.config import ForwardConfig
 from flash3.kernels.forward import attention_forward, default_config
 
-from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _expand_opts,
+from test_forward_kernel import (CAUSAL_BR, CAUSAL_TL, NO_MASK, _expand_opts, _forward_on,
                                  assert_interpret_knob_close, assert_matches_opts,
-                                 make_qkv, run_interpret)
+                                 make_qkv)
 from flash3.visibility import MaskSpec as W
 
 LOG2_E = 1.4426950408889634
@@ -167,26 +168,27 @@ def test_crossing_inputs_are_what_they_say():
   assert not large[16:].any()
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("lazy", [False, True], ids=["every_tile", "lazy"])
-def test_interpret_references_crossing_the_limit(lazy):
+def _check_crossing(lazy, interpret):
   q, k, v, block_kv = _crossing_inputs()
   config = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=lazy, **FIELDS)
-  o, lse = run_interpret(q, k, v, scale=1.0, mask=NO_MASK, config=config)
+  o, lse = _forward_on(interpret, q, k, v, scale=1.0, mask=NO_MASK, config=config)
   want_o, want_lse = _float64_attention(q, k, v)
   np.testing.assert_allclose(np.asarray(o, np.float32), want_o, atol=1e-2, rtol=0)
   np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=1e-6, atol=1e-3)
 
 
 @pytest.mark.interpret
-def test_interpret_extreme_equal_inputs_e03():
-  config = ForwardConfig(block_kv=64, num_stages=2, **FIELDS)
-  for Tk in (1, 2):
-    x = jnp.full((1, 1, 1, 64), 133120.0, jnp.bfloat16)
-    kv = jnp.full((1, Tk, 1, 64), 133120.0, jnp.bfloat16)
-    o, lse = run_interpret(x, kv, kv, scale=0.125, mask=NO_MASK, config=config)
-    np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
-    assert np.isfinite(np.asarray(lse)).all()
+@pytest.mark.parametrize("lazy", [False, True], ids=["every_tile", "lazy"])
+def test_interpret_references_crossing_the_limit(lazy):
+  _check_crossing(lazy, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lazy", [False, True], ids=["every_tile", "lazy"])
+def test_gpu_references_crossing_the_limit(lazy):
+  """Rows of both kinds in one warp (that warp takes the exact form) and a
+  warp of normal rows (the one-FMA form)."""
+  _check_crossing(lazy, interpret=False)
 
 
 @pytest.mark.parametrize("D, mask", [(64, NO_MASK), (128, CAUSAL_BR), (256, NO_MASK),
@@ -218,26 +220,3 @@ def test_gpu_fma_exponent_matches_reference(case):
   config = dataclasses.replace(default_config(D, dtype, mask, Tq, Tk), **FIELDS)
   o, lse = attention_forward(q, k, v, scale=D ** -0.5, mask=mask, config=config, **opts)
   assert_matches_opts(o, lse, q, k, v, scale=D ** -0.5, mask=mask, **opts)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lazy", [False, True], ids=["every_tile", "lazy"])
-def test_gpu_references_crossing_the_limit(lazy):
-  """Rows of both kinds in one warp: that warp takes the exact form."""
-  q, k, v, block_kv = _crossing_inputs()
-  config = ForwardConfig(block_kv=block_kv, num_stages=2, lazy_rescale=lazy, **FIELDS)
-  o, lse = attention_forward(q, k, v, scale=1.0, mask=NO_MASK, config=config)
-  want_o, want_lse = _float64_attention(q, k, v)
-  np.testing.assert_allclose(np.asarray(o, np.float32), want_o, atol=1e-2, rtol=0)
-  np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, rtol=1e-6, atol=1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("Tq,Tk,D", [(1, 1, 64), (1, 2, 64), (64, 256, 64), (130, 1000, 128)])
-def test_gpu_e03_equal_extreme_inputs(Tq, Tk, D):
-  x = jnp.full((1, Tq, 1, D), 133120.0, jnp.bfloat16)
-  kv = jnp.full((1, Tk, 1, D), 133120.0, jnp.bfloat16)
-  config = dataclasses.replace(default_config(D, x.dtype, NO_MASK, Tq, Tk), **FIELDS)
-  o, lse = attention_forward(x, kv, kv, scale=D ** -0.5, mask=NO_MASK, config=config)
-  np.testing.assert_array_equal(np.asarray(o, np.float32), 133120.0)
-  assert np.isfinite(np.asarray(lse)).all()

@@ -656,8 +656,9 @@ def test_gpu_e02_fully_masked_first_tile_keeps_max(mask):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fields", [{}, dict(scale_first=True),
-                                    dict(scale_first=True, lazy_rescale=False)],
-                         ids=["default", "scale_first", "every_tile"])
+                                    dict(scale_first=True, lazy_rescale=False),
+                                    dict(scale_first=False, fma_exponent=True)],
+                         ids=["default", "scale_first", "every_tile", "fma_exponent"])
 @pytest.mark.parametrize("Tq,Tk,D", [(1, 1, 64), (1, 2, 64), (64, 256, 64), (130, 1000, 128),
                                      (128, 512, 256)])
 def test_gpu_e03_equal_extreme_inputs(Tq, Tk, D, fields):

@@ -306,6 +306,29 @@ def accumulate_pair(acc1: jax.Array, a1: jax.Array, b1_ref, acc2: jax.Array,
   return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2), a2_like))
 
 
+def warp_vote(fa, test: Callable[[ir.Value], ir.Value], kind: str) -> ir.Value:
+  """Inside ``plgpu.inline_mgpu``: whether ``test`` (one element -> i1) holds
+  for "any" or "all" of the elements of FragmentedArray ``fa`` that the
+  warp's threads hold, as one i1 equal across the warp (a branch on it does
+  not diverge)."""
+  combine = {"any": arith.ori, "all": arith.andi}[kind]
+  mine = None
+  for reg in fa.registers.flat:
+    for i in range(ir.VectorType(reg.type).shape[0]):
+      t = test(vector.extract(reg, dynamic_position=[], static_position=[i]))
+      mine = t if mine is None else combine(mine, t)
+  i32 = ir.IntegerType.get_signless(32)
+  return nvvm.vote_sync(arith.constant(i32, 0xFFFFFFFF), mine, kind)
+
+
+def fragmented_like(like, registers) -> Any:
+  """A FragmentedArray of ``like``'s shape and layout holding ``registers``
+  (e.g. an ``scf.IfOp``'s results, in ``like.registers``' order)."""
+  new = np.empty(like.registers.shape, dtype=object)
+  new.flat[:] = list(registers)
+  return mgpu.FragmentedArray(_registers=new, _layout=like.layout, _is_signed=None)
+
+
 def scale_rows(acc: jax.Array, alpha: jax.Array, *, skip_ones: bool) -> jax.Array:
   """``acc * alpha[:, None]`` for a float32 (M, N) WGMMA-layout accumulator
   and its (M,) row factors (``Layout.WGMMA.reduce(1)``).
@@ -325,15 +348,10 @@ def scale_rows(acc: jax.Array, alpha: jax.Array, *, skip_ones: bool) -> jax.Arra
       return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype,
                                          layout=plgpu.Layout.WGMMA))
   def scaled(_, acc_fa, alpha_fa):
-    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-    one = arith.constant(f32, 1.0)
-    moved = None  # Does any row this thread holds have alpha != 1?
-    for reg in alpha_fa.registers.flat:
-      for i in range(ir.VectorType(reg.type).shape[0]):
-        x = vector.extract(reg, dynamic_position=[], static_position=[i])
-        ne = arith.cmpf(arith.CmpFPredicate.UNE, x, one)
-        moved = ne if moved is None else arith.ori(moved, ne)
-    warp_moved = nvvm.vote_sync(arith.constant(i32, 0xFFFFFFFF), moved, "any")
+    one = arith.constant(ir.F32Type.get(), 1.0)
+    # Does any row this warp holds have alpha != 1?
+    warp_moved = warp_vote(
+        alpha_fa, lambda x: arith.cmpf(arith.CmpFPredicate.UNE, x, one), "any")
     regs = list(acc_fa.registers.flat)
     branch = scf.IfOp(warp_moved, [r.type for r in regs], has_else=True)
     with ir.InsertionPoint(branch.then_block):
@@ -341,10 +359,7 @@ def scale_rows(acc: jax.Array, alpha: jax.Array, *, skip_ones: bool) -> jax.Arra
       scf.yield_(list(out.registers.flat))
     with ir.InsertionPoint(branch.else_block):
       scf.yield_(regs)
-    new = np.empty(acc_fa.registers.shape, dtype=object)
-    new.flat[:] = list(branch.results)
-    return mgpu.FragmentedArray(_registers=new, _layout=acc_fa.layout,
-                                _is_signed=None)
+    return fragmented_like(acc_fa, branch.results)
 
   return scaled(acc, alpha)
 

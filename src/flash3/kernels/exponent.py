@@ -34,7 +34,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, math as mlir_math, nvvm, scf, vector
+from jax._src.lib.mlir.dialects import arith, math as mlir_math, scf
 import numpy as np
 
 from flash3.kernels import common
@@ -104,13 +104,8 @@ def exponents(s: jax.Array, m_old: jax.Array, m: jax.Array, c: float, *,
   def both(_, s_fa, m_old_fa, m_fa, ref_old_fa, ref_fa, normal_fa):
     f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
     zero = arith.constant(i32, 0)
-    mine = None  # Are all rows this thread holds normal?
-    for reg in normal_fa.registers.flat:
-      for i in range(ir.VectorType(reg.type).shape[0]):
-        v = vector.extract(reg, dynamic_position=[], static_position=[i])
-        ok = arith.cmpi(arith.CmpIPredicate.ne, v, zero)
-        mine = ok if mine is None else arith.andi(mine, ok)
-    warp_normal = nvvm.vote_sync(arith.constant(i32, 0xFFFFFFFF), mine, "all")
+    warp_normal = common.warp_vote(
+        normal_fa, lambda v: arith.cmpi(arith.CmpIPredicate.ne, v, zero), "all")
     fma = mgpu.FragmentedArray._lift_fast_instr("fma.rn.f32")
     factor = mgpu.FragmentedArray.splat(arith.constant(f32, c), s_fa.shape)
     wide = lambda v: v.broadcast_in_dim(s_fa.shape, (0,), s_fa.layout)
@@ -121,23 +116,20 @@ def exponents(s: jax.Array, m_old: jax.Array, m: jax.Array, c: float, *,
     with ir.InsertionPoint(branch.then_block):
       scf.yield_(flat(ref_old_fa - ref_fa, s_fa._pointwise(fma, factor, wide(-ref_fa))))
     with ir.InsertionPoint(branch.else_block):
-      row_factor = mgpu.FragmentedArray.splat(arith.constant(f32, c), m_fa.shape)
+      rows = lambda value: mgpu.FragmentedArray.splat(arith.constant(f32, value), m_fa.shape)
+      row_factor, limit, zeros = rows(c), rows(FMA_REFERENCE_LIMIT), rows(0.0)
+
       def err_of(m_, ref_):
-        err = m_._pointwise(fma, row_factor, -ref_)
         # |ref| < limit, ordered: false for NaN and +-inf.
-        limit = mgpu.FragmentedArray.splat(arith.constant(f32, FMA_REFERENCE_LIMIT), m_.shape)
         small = ref_._pointwise(mlir_math.absf) < limit
-        return small.select(err, mgpu.FragmentedArray.splat(arith.constant(f32, 0.0), m_.shape))
+        return small.select(m_._pointwise(fma, row_factor, -ref_), zeros)
+
       err, err_old = err_of(m_fa, ref_fa), err_of(m_old_fa, ref_old_fa)
       shift = (m_old_fa - m_fa) * row_factor + (err - err_old)
       x = (s_fa - wide(m_fa))._pointwise(fma, factor, wide(err))
       scf.yield_(flat(shift, x))
     results = list(branch.results)
-    out = []
-    for like, regs in ((ref_fa, results[:n_rows]), (s_fa, results[n_rows:])):
-      new = np.empty(like.registers.shape, dtype=object)
-      new.flat[:] = regs
-      out.append(mgpu.FragmentedArray(_registers=new, _layout=like.layout, _is_signed=None))
-    return tuple(out)
+    return (common.fragmented_like(ref_fa, results[:n_rows]),
+            common.fragmented_like(s_fa, results[n_rows:]))
 
   return both(s, m_old, m, ref_old, ref, normal)
