@@ -372,7 +372,8 @@ def scale_rounded(s: jax.Array, c: float, *, interpret: bool,
   FMA. The forward's scaled scores feed both the row max and
   ``s * c - max``; fused, that subtraction saw the unrounded product and a
   row's max got exp2 of a rounding error instead of exp2(0) (E03 in whole
-  tiles). Interpret mode: a plain multiply (XLA on the CPU does not fuse it).
+  tiles). Interpret mode: a plain multiply (XLA on the CPU may fuse products
+  into adds; E03's interpret tests pass with this one).
   """
   if interpret:
     return s * c

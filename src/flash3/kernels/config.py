@@ -219,9 +219,12 @@ class ForwardConfig:
       (kernels/exponent.py; warps with a reference of 2**22 or more, E03's
       magnitudes, keep the exact form). Offline (ptxas 13.0, D=128 causal)
       the unmasked loop's usual path runs 492 instructions per thread and
-      tile instead of the default's 540. No effect with a soft cap. An A/B
-      knob, not yet timed: the softmax bounds a step at D <= 128, and
-      FMA-pipe work added there cost time before (``exp2_fma_cols``).
+      tile instead of the default's 540. Equal scores then give o within one
+      ulp of v, not v exactly (P @ V takes the rounded P, l the float32 one).
+      No effect with a soft cap, or a scale whose scale * log2(e) is not a
+      positive normal float32 (the scaled-first path). An A/B knob, not yet
+      timed: the softmax bounds a step at D <= 128, and FMA-pipe work added
+      there cost time before (``exp2_fma_cols``).
     fuse_pv_qk: issue each tile's P @ V and the next tile's Q K^T back to
       back and wait for both once, so a warpgroup's two matmuls of a
       ping-pong turn leave no gap on the tensor cores between them (P stays
