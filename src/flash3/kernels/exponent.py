@@ -38,7 +38,6 @@ from jax.experimental.mosaic import gpu as mgpu
 import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, math as mlir_math, scf
-import numpy as np
 
 from flash3.kernels import common
 
@@ -53,9 +52,6 @@ def _split(x):
   """float32 x as hi + lo, each of at most 12 significant bits: hi is x with
   its 12 low significand bits cleared (Veltkamp's 4097 * x would overflow
   for |x| above 8.3e34)."""
-  if isinstance(x, np.floating):
-    hi = (np.asarray(x, np.float32).view(np.int32) & np.int32(~0xFFF)).view(np.float32)
-    return hi[()], np.float32(x - hi)
   bits = jax.lax.bitcast_convert_type(x, jnp.int32)
   hi = jax.lax.bitcast_convert_type(bits & ~0xFFF, jnp.float32)
   return hi, x - hi
@@ -67,7 +63,7 @@ def _product_error(m: jax.Array, c: float, ref: jax.Array) -> jax.Array:
   whether or not XLA on the CPU fuses a product into the next add; the GPU
   has fma). Interpret mode's form."""
   m_hi, m_lo = _split(m)
-  c_hi, c_lo = _split(np.float32(c))
+  c_hi, c_lo = _split(jnp.float32(c))
   return ((m_hi * c_hi - ref) + m_hi * c_lo + m_lo * c_hi) + m_lo * c_lo
 
 
