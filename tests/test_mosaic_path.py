@@ -289,6 +289,33 @@ def test_sharded_jit_equals_unsharded():
     assert tuple(got.sharding.spec)[:1] == ("data",)
 
 
+def test_gradients_inside_shard_map_with_check_vma():
+  """A user's shard_map (check_vma on, its default) around the kernel path:
+  o and the gradients of q, k, v and of sinks given whole equal those of the
+  same call outside. One device, so interpret mode runs it too (over several
+  CPU devices its interpreter is unreliable: README)."""
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:1])
+  q, k, v, do = _inputs(B=2, Tq=64, Tk=80)
+  sinks = jnp.linspace(-1.0, 1.0, q.shape[2])
+
+  def attend(q, k, v, sinks):
+    return flash3.dot_product_attention(q, k, v, is_causal=True, sinks=sinks,
+                                        implementation="mosaic")
+
+  inside = jax.shard_map(attend, mesh=mesh, in_specs=(P("data"),) * 3 + (P(),),
+                         out_specs=P("data"))
+  with _kernels():
+    results = [jax.vjp(f, q, k, v, sinks) for f in (inside, attend)]
+    (o, vjp), (o_ref, vjp_ref) = results
+    grads, grads_ref = vjp(do), vjp_ref(do)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
+  for name, g, g_ref in zip(("dq", "dk", "dv", "dsinks"), grads, grads_ref):
+    assert g.dtype == g_ref.dtype and np.abs(np.asarray(g_ref, np.float32)).max() > 0, name
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32),
+                               rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(
     q_len=st.integers(1, 70), kv_len=st.integers(1, 70), causal=st.booleans(),

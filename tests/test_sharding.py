@@ -1,5 +1,6 @@
 """Sharded inputs under jit (CPU, 4 virtual devices): results equal unsharded ones."""
 
+import contextlib
 import re
 import warnings
 
@@ -204,6 +205,68 @@ def test_gpu_kernel_calls_trace_with_every_option(option, softcap):
                       softcap=softcap)
   loss = lambda q, k, v: mosaic_attention(q, k, v, extras, static)[0].astype(jnp.float32).sum()
   jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k)
+
+
+# ------------------------- the kernel path inside a user's shard_map (check_vma)
+
+def _varying(x):
+  return jax.typeof(x).manual_axis_type.varying
+
+
+@pytest.mark.parametrize("option", ["none", "sinks", "lengths", "segments"])
+@pytest.mark.parametrize("interpret", [False, True], ids=["gpu_path", "interpret"])
+def test_kernel_path_keeps_shard_maps_varying_axes(option, interpret, monkeypatch):
+  """Inside shard_map with check_vma (its default), o varies over the axes q,
+  k, v vary over, and jax.grad traces: each gradient is typed like its
+  operand. The kernels' outputs carried no varying axes, so the custom_vjp's
+  gradients did not match their inputs (a fresh-user report); sinks given
+  whole (invariant) get a gradient summed over the devices."""
+  mesh = _mesh((2,), ("data",))
+  q = jnp.ones((2, 64, 2, 64), jnp.bfloat16)
+  k = jnp.ones((2, 80, 1, 64), jnp.bfloat16)
+  kw = {"none": {}, "sinks": {},
+        "lengths": dict(query_seq_lengths=jnp.array([50, 64]),
+                        key_value_seq_lengths=jnp.array([80, 7])),
+        "segments": dict(query_segment_ids=jnp.zeros((2, 64), jnp.int32),
+                         key_value_segment_ids=jnp.zeros((2, 80), jnp.int32))}[option]
+  sinks = jnp.zeros((2,)) if option == "sinks" else None
+  seen = {}
+
+  def per_shard(q, k, v, kw, sinks):
+    o = flash3.dot_product_attention(q, k, v, is_causal=True, sinks=sinks,
+                                     implementation="mosaic", **kw)
+    seen["o"] = _varying(o)
+    return o
+
+  f = jax.shard_map(per_shard, mesh=mesh, in_specs=(P("data"),) * 4 + (P(),),
+                    out_specs=P("data"))
+  loss = lambda q, k, v, sinks: f(q, k, v, kw, sinks).astype(jnp.float32).sum()
+  argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+  if interpret:
+    context = flash3.interpret_kernels()
+  else:  # The compiled path's trace (no Hopper needed to trace it).
+    from flash3 import _dispatch
+    monkeypatch.setattr(_dispatch, "choose", lambda p, impl: "mosaic")
+    context = contextlib.nullcontext()
+  with context:
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, sinks)
+  assert seen["o"] == {"data"}
+  assert [str(a) for a in jaxpr.out_avals] == [
+      str(jax.typeof(x)) for x in (q, k, k, sinks)[:len(argnums)]]
+
+
+def test_kernel_path_inside_shard_map_still_needs_the_psum():
+  """check_vma still refuses a body that returns a per-device value as
+  replicated: the kernel path's o varies, as the XLA path's does."""
+  mesh = _mesh((2,), ("data",))
+  q = jnp.ones((2, 64, 2, 64), jnp.bfloat16)
+
+  def per_shard(q):
+    return flash3.dot_product_attention(q, q, q, implementation="mosaic").sum()
+
+  f = jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P())
+  with flash3.interpret_kernels(), pytest.raises(ValueError, match="out_specs"):
+    jax.make_jaxpr(f)(q)
 
 
 def _cp_call(q, k, v, mesh=None, **kw):

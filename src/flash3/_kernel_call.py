@@ -197,9 +197,33 @@ def _flat_extras(extras: Extras, num_kv_heads: int):
   return names, values
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _vma(x) -> frozenset:
+  """The mesh axes x varies over inside shard_map (empty elsewhere)."""
+  axis_type = getattr(jax.typeof(x), "manual_axis_type", None)  # jax 0.11.2
+  return frozenset(getattr(axis_type, "varying", None) or ())
+
+
+def _varying(x, axes: frozenset):
+  """x marked as varying over ``axes`` too (shard_map's check_vma types)."""
+  missing = tuple(sorted(axes - _vma(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def mosaic_attention(q, k, v, extras: Extras, static: KernelArgs):
-  """(o, lse): o (B, Tq, N, D) in q.dtype, lse (B, N, Tq) float32 natural log."""
+  """(o, lse): o (B, Tq, N, D) in q.dtype, lse (B, N, Tq) float32 natural log.
+
+  Inside ``shard_map`` (check_vma on) the kernels' outputs would carry no
+  varying axes: every operand is first marked varying over the union of
+  theirs (an invariant operand's gradient is then summed over those axes, as
+  jax does for its own ops), and outputs and gradients get their operands'.
+  """
+  axes = frozenset().union(*map(_vma, jax.tree.leaves((q, k, v, extras))))
+  q, k, v, extras = jax.tree.map(lambda x: _varying(x, axes), (q, k, v, extras))
+  return _attention(q, k, v, extras, static)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, extras: Extras, static: KernelArgs):
   return _forward(q, k, v, extras, static)[0]
 
 
@@ -215,6 +239,7 @@ def _forward(q, k, v, extras: Extras, static: KernelArgs):
   o5, lse = jax.lax.optimization_barrier((o5, lse))
   B, T, N = q.shape[0], q.shape[1], q.shape[2]
   o, lse = sharding.merge_heads(o5), lse.reshape(B, N, T)
+  o, lse = _varying(o, _vma(q)), _varying(lse, _vma(q))
   return (o, lse), (q, k, v, extras, o, lse)
 
 
@@ -257,7 +282,10 @@ def _backward(static: KernelArgs, residuals, cotangents):
     p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
     no_grads = no_grads._replace(
         sinks=(-(p_sink * delta).sum(axis=(0, 2))).astype(extras.sinks.dtype))
-  return sharding.merge_heads(dq5), dk, dv, no_grads
+  if no_grads.sinks is not None:
+    no_grads = no_grads._replace(sinks=_varying(no_grads.sinks, _vma(extras.sinks)))
+  return (_varying(sharding.merge_heads(dq5), _vma(q)), _varying(dk, _vma(k)),
+          _varying(dv, _vma(v)), no_grads)
 
 
 def _reference_backward(static, residuals, cotangents, missing):
@@ -282,4 +310,4 @@ def _reference_backward(static, residuals, cotangents, missing):
   return dq, dk, dv, Extras(*(None,) * 4, sinks=dsinks)
 
 
-mosaic_attention.defvjp(_forward, _backward)
+_attention.defvjp(_forward, _backward)
