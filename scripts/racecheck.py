@@ -27,7 +27,8 @@ the single-kernel backward with a shared dq tile paired with dk's matmul;
 ``--only trim`` the forward's trimmed end tile (``trim_end_tile``);
 ``--only delta`` the backward's delta formed in the dq kernel (``fuse_delta``);
 ``--only block_q128`` the forward with 128 query rows per warpgroup;
-``--only fma_exponent`` the forward's exp2 argument as one FMA (``fma_exponent``).
+``--only fma_exponent`` the forward's exp2 argument as one FMA (``fma_exponent``);
+``--only dkv_causal`` the dk/dv kernel's row bounds on plain causal.
 """
 import argparse
 import sys
@@ -406,13 +407,36 @@ def delta_cases():
     _check_grads(grads, f"fused delta backward, D={d}, lengths {lengths}")
 
 
+def dkv_causal_cases():
+  """The dk/dv kernel's row bounds on plain causal (``BackwardConfig.
+  dkv_row_bounds``: its diagonal query tiles in a loop comparing each key's
+  lower query bound alone), D = 64 and 128, top-left with a ragged last query
+  tile and bottom-right with lengths."""
+  import dataclasses
+  from flash3.kernels.forward import attention_forward
+  keys = jax.random.split(jax.random.key(7), 4)
+  for d, mask, lens in (
+      (64, MaskSpec(causal=True), {}),
+      (128, MaskSpec(causal=True, alignment="bottom_right"),
+       dict(q_lengths=jnp.array([250]), kv_lengths=jnp.array([190])))):
+    q, do = (jax.random.normal(kk, (1, 264, 2, d), jnp.bfloat16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (1, 264, 1, d), jnp.bfloat16) for kk in keys[2:4])
+    o, lse = attention_forward(q, k, v, scale=0.2, mask=mask, **lens)
+    config = dataclasses.replace(BackwardConfig.heuristic(d, 264, 264, mask),
+                                 dkv_row_bounds=True)
+    grads = attention_backward(q, k, v, o, lse, do, scale=0.2, mask=mask,
+                               config=config, **lens)
+    _check_grads(grads, f"causal dk/dv row bounds, D={d}, {mask}, lengths {bool(lens)}")
+
+
 GROUPS = {"role_split": role_split_cases, "lengths": lengths_cases,
           "shared_pair": shared_pair_cases, "fused": fused_cases,
           "overlap": overlap_cases, "schedule": schedule_cases,
           "softcap": softcap_cases, "defer": defer_cases,
           "warpgroups": warpgroups_cases, "window": window_cases,
           "off_turn": off_turn_cases, "trim": trim_cases, "delta": delta_cases,
-          "block_q128": block_q128_cases, "fma_exponent": fma_exponent_cases}
+          "block_q128": block_q128_cases, "fma_exponent": fma_exponent_cases,
+          "dkv_causal": dkv_causal_cases}
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

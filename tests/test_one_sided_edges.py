@@ -54,6 +54,16 @@ CASES = [
     ("window-segments-softcap", 1, 384, 384, 2, 1, 64, BF16,
      W(causal=True, window_left=130), dict(segments=([[20, 364]], [[20, 364]]),
                                            softcap=5.0)),
+    # Plain causal: in the dk/dv kernel (rows are keys) the diagonal tiles
+    # are cut by each key's lower query bound alone, the ragged last query
+    # tile by q_len.
+    ("causal-ragged", 1, 320, 320, 2, 1, 64, BF16, W(causal=True), {}),
+    ("causal-lengths-gqa", 2, 200, 384, 4, 2, 64, F16,
+     W(causal=True, alignment="bottom_right"),
+     dict(q_lengths=[200, 77], kv_lengths=[384, 250])),
+    # One window edge only: keys' query ranges bounded on one side.
+    ("window-left-only", 1, 300, 300, 2, 1, 64, BF16, W(window_left=60), {}),
+    ("window-right-only", 1, 260, 330, 2, 1, 64, F16, W(window_right=50), {}),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -201,3 +211,27 @@ def test_interpret_single_kernel_backward_with_row_bounds(case):
   for grad, a, b in zip(("dq", "dk", "dv"), grads, pairwise):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                   err_msg=grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_gpu_causal_dkv_row_bounds_are_bitwise_pairwise(D, alignment):
+  """Plain causal with the dk/dv kernel's row bounds (its diagonal tiles by
+  each key's lower query bound alone) against the default pairwise rule, at
+  the default config otherwise; Tq = 1000 leaves a ragged last query tile."""
+  mask = W(causal=True, alignment=alignment)
+  B, N, K, Tq, Tk = 2, 4, 2, 1000, 1024
+  q, k, v = make_qkv(jax.random.key(9), B, Tq, Tk, N, K, D, BF16)
+  do = jax.random.normal(jax.random.key(10), q.shape, jnp.float32).astype(BF16)
+  o, lse = forward.attention_forward(q, k, v, scale=D ** -0.5, mask=mask)
+  base = BackwardConfig.heuristic(D, Tq, Tk, mask)
+  assert not base.dkv_row_bounds
+  grads = {rows: run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts={},
+                          interpret=False, o_lse=(o, lse),
+                          config=dataclasses.replace(base, dkv_row_bounds=rows))
+           for rows in (True, False)}
+  for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all() and np.abs(a).max() > 0, name
+    np.testing.assert_array_equal(a, b, err_msg=name)

@@ -141,7 +141,9 @@ class BackwardConfig:
       compares that bound alone (``tile_mask.edge_tiles``; as
       ``ForwardConfig.one_sided_edges``): a window's edges. Masks without a
       window's left edge compile as before. With ``dkv_row_bounds`` the
-      dk/dv kernel's masked query tiles are split the same way.
+      dk/dv kernel's masked query tiles are split the same way, for every
+      mask (its rows are keys: plain causal's diagonal tiles are cut by each
+      key's lower query bound alone).
     dkv_row_bounds: the dk/dv kernel (its rows are keys) masks a tile by
       each key's range of queries (``tile_mask.query_bounds``: two compares
       per element, one on a one-sided tile) instead of the pairwise rule
@@ -150,7 +152,11 @@ class BackwardConfig:
       across the matmuls. Not on the role-split path (head_dim 256). On an
       H200 (thirty-first session, causal window of 1024, T=16384, two runs),
       with one_sided_edges: the D=64 backward 5.7% faster (264 -> 279
-      TFLOP/s; either alone +0-1%), D=128 within 1%.
+      TFLOP/s; either alone +0-1%), D=128 within 1%. Plain causal
+      (fortieth session, offline ptxas, T=4096): the diagonal loop 1444 ->
+      1124 instructions per tile at D=64 (193 -> 119 of them local memory),
+      759 -> 607 at D=128; the unmasked loop 552 -> 560 and 353 -> 365. Not
+      yet timed; the default for windows only.
     fuse_delta: the dq kernel forms delta = rowsum(o * do) (float32) itself,
       each warpgroup from an o tile loaded beside its q and do tiles, and
       writes it out for the dk/dv kernel, instead of a separate XLA pass over
@@ -358,8 +364,9 @@ class BackwardConfig:
       # local memory) to 595-607 (3-5), the unmasked one from 362 to 353.
       # On an H200 (thirty-first session, that window, two runs) the D=64
       # backward ran 5.7% faster with one_sided_edges, D=128 within 1%.
-      # Plain causal keeps the pairwise rule: its unmasked loop grew by 4-8
-      # instructions (D=128 / 64).
+      # Plain causal keeps the pairwise rule until timed: its diagonal loop
+      # shrinks (1444 -> 1124 instructions at D=64, fortieth session) but its
+      # unmasked loop grows by 8-12.
       config = dataclasses.replace(config, dkv_row_bounds=True)
     if not deterministic and head_dim == 64:
       config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,

@@ -435,7 +435,7 @@ def dkv_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           # its upper one (a window's left edge, q_len, or kv_len's rows).
           if not config.dkv_row_bounds:
             loops = [(lo, hi, None)]  # The pairwise rule.
-          elif mask.right is None or mask.left is None or not config.one_sided_edges:
+          elif not config.one_sided_edges:
             loops = [(lo, hi, tile_mask.SIDES)]
           else:
             loops = tile_mask.edge_loops(lo, hi, edge, query_edge_tiles())
