@@ -169,6 +169,14 @@ class BackwardConfig:
       then writes every row the dk/dv kernel reads). Without it, or when the
       caller passes ``delta``, XLA forms delta. Untimed (thirty-fourth
       session): off by default.
+    late_keep: the dq kernel forms a masked tile's keep once its scores are
+      in registers (the column index passes an optimization barrier with
+      s), not before their matmul. Formed before, LLVM held it across the
+      matmuls as packed bits. Offline, with ptxas at T=4096 causal, D=64's
+      masked loop went from 912 to 724 instructions per tile, with no LOP3
+      packing left. At D=128 ptxas hoists the compares above the matmuls
+      anyway, and the loop grew from 944 to 1013 instructions with 4
+      local-memory ones. Off by default: not yet timed (fortieth session).
   """
 
   block_q_dq: int = 64
@@ -194,6 +202,7 @@ class BackwardConfig:
   one_sided_edges: bool = True
   dkv_row_bounds: bool = False
   fuse_delta: bool = False
+  late_keep: bool = False
 
   @property
   def stages_dkv(self) -> int:
@@ -212,7 +221,7 @@ class BackwardConfig:
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap",
-                 "one_sided_edges", "dkv_row_bounds", "fuse_delta"):
+                 "one_sided_edges", "dkv_row_bounds", "fuse_delta", "late_keep"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):
