@@ -42,20 +42,33 @@ def _chunk_order(num_shards: int) -> list[int]:
 def zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
   """Reorders the sequence ``axis`` of x into the zigzag layout for P shards.
 
+  x is an array, or nested lists of numbers (taken as ``jnp.asarray`` would).
+
   Raises:
     ValueError: if num_shards is not an int >= 1, axis is not an axis of x, or
       the axis length is not a multiple of 2 * num_shards.
+    TypeError: if x is a ragged or non-numeric list.
   """
+  x = _as_array(x)
   axis = _check_layout_args(x, num_shards, axis)
   return _permute_chunks(x, num_shards, axis, _chunk_order(num_shards))
 
 
 def unzigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
   """Inverse of ``zigzag``; the same errors."""
+  x = _as_array(x)
   axis = _check_layout_args(x, num_shards, axis)
   order = _chunk_order(num_shards)
   inverse = [order.index(i) for i in range(len(order))]
   return _permute_chunks(x, num_shards, axis, inverse)
+
+
+def _as_array(x):
+  """x as a jax array: lists and tuples are arrays to jnp, so take them too
+  (a ragged or non-numeric one is a TypeError naming ``x``)."""
+  if isinstance(x, (list, tuple)):
+    x = _validate._array_from_list("x", x, "numbers")
+  return jnp.asarray(x)
 
 
 def _check_layout_args(x, num_shards, axis) -> int:
