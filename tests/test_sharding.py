@@ -352,6 +352,14 @@ def test_context_parallel_rejects_mesh_axes_that_do_not_fit():
     _cp_call(*_qkv(B=2, T=34, N=4, K=2), mesh=mesh, layout="contiguous")
 
 
+@pytest.mark.parametrize("bad", [None, "ctx", ("ctx",)])
+def test_context_parallel_refuses_a_mesh_that_is_not_a_mesh(bad):
+  q, k, v = _qkv(B=2, T=64, N=4, K=2)
+  with pytest.raises(TypeError, match=re.escape(
+      f"mesh={bad!r}; allowed: a jax.sharding.Mesh (e.g. from jax.make_mesh)")):
+    context_parallel_attention(q, k, v, mesh=bad, sequence_axis="ctx", implementation="xla")
+
+
 def test_context_parallel_checks_before_tracing(monkeypatch):
   """A refused call never reaches shard_map."""
   def fail(*args, **kwargs):

@@ -23,7 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from flash3 import _dispatch, _validate, sharding
 from flash3.attention import dot_product_attention
@@ -146,7 +146,8 @@ def context_parallel_attention(
       axes of the mesh, or T, B, K or N not divisible by the size of the mesh
       axis (2 * size for zigzag T) that splits it.
     TypeError: a dtype or argument ``flash3.dot_product_attention`` refuses
-      (q, k, v that are neither arrays nor rectangular lists of numbers).
+      (q, k, v that are neither arrays nor rectangular lists of numbers), or a
+      mesh that is not a jax.sharding.Mesh.
     NotImplementedError: a head_axis when the Mosaic GPU kernels would run
       (head-split kernel calls are refused for now; docs/multi_gpu.md).
   """
@@ -218,6 +219,10 @@ def _check(query, key, value, *, mesh, sequence_axis, batch_axis, head_axis,
       query_seq_lengths=None, key_value_seq_lengths=None, **kwargs)
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r}; allowed: {LAYOUTS}")
+  # An AbstractMesh has the same axis names and sizes, and shard_map takes it.
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise TypeError(f"mesh={mesh!r}; allowed: a jax.sharding.Mesh (e.g. from "
+                    "jax.make_mesh) with sequence_axis among its axes")
   names = tuple(mesh.axis_names)
   axes = (("sequence_axis", sequence_axis), ("batch_axis", batch_axis),
           ("head_axis", head_axis))
