@@ -462,6 +462,51 @@ def test_an_empty_shard_runs_nothing_and_says_so(capsys, tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def _one_error_line(capsys) -> str:
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+  return err
+
+
+def _an_out_that_cannot_be(kind, tmp_path) -> str:
+  (tmp_path / "afile").write_text("")
+  return {"file": str(tmp_path / "afile"), "under a file": str(tmp_path / "afile" / "sub"),
+          "uncreatable": "/proc/nope"}[kind]
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("file", "afile is a file"), ("under a file", "is under"),
+    ("uncreatable", "cannot create the directory")])
+def test_replot_into_an_out_that_cannot_be_a_directory_returns_2(kind, message,
+                                                                 tmp_path, capsys):
+  out = _an_out_that_cannot_be(kind, tmp_path)
+  results = "docs/benchmarks/h200/2026-12-04-s26/call9/bench/results.json"
+  assert cli.main(["--replot", results, "--out", out, "--no-plots"]) == 2
+  err = _one_error_line(capsys)
+  assert err.startswith(f"flash3-bench: --out {out}") and message in err
+
+
+@pytest.mark.parametrize("kind", ["file", "under a file", "uncreatable"])
+def test_a_run_into_a_bad_out_returns_2_before_any_case(kind, tmp_path, capsys,
+                                                        monkeypatch):
+  out = _an_out_that_cannot_be(kind, tmp_path)
+  monkeypatch.setattr(cli, "hopper_problem", lambda: None)  # As on an H200.
+  def fail(*args, **kwargs):
+    raise AssertionError("a case ran")
+  monkeypatch.setattr(runner, "run", fail)
+  assert cli.main(["--shape", "B=1,T=64,N=1,D=64", "--out", out]) == 2
+  assert _one_error_line(capsys).startswith(f"flash3-bench: --out {out}")
+
+
+def test_an_unwritable_out_returns_2(tmp_path, capsys, monkeypatch):
+  access = cli.os.access  # Stands in for a read-only directory (root writes anywhere).
+  monkeypatch.setattr(cli.os, "access",
+                      lambda path, mode: path != str(tmp_path) and access(path, mode))
+  results = "docs/benchmarks/h200/2026-12-04-s26/call9/bench/results.json"
+  assert cli.main(["--replot", results, "--out", str(tmp_path)]) == 2
+  assert "is not writable" in _one_error_line(capsys)
+
+
 def test_mask_flags_need_shape(capsys):
   assert cli.main(["--causal", "--list"]) == 2
   assert "--shape" in capsys.readouterr().err

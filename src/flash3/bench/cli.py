@@ -277,10 +277,39 @@ def _progress(disabled: bool):
   return lambda items: tqdm(items, desc="flash3-bench", unit="case")
 
 
+def check_out(path: str) -> None:
+  """Refuses an --out that cannot become a directory, creating nothing (a run
+  without a GPU or with nothing to do leaves no directory behind).
+
+  Raises:
+    ValueError: if path, or the nearest of its parents that exists, is not a
+      directory.
+  """
+  full = existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    where = "is a file" if existing == full else f"is under {existing}, a file"
+    raise ValueError(f"--out {path} {where}; allowed: a directory, or a path "
+                     "where one can be created")
+
+
+def make_out(path: str) -> None:
+  """Creates the --out directory; ValueError naming it where that fails."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--out {path}: cannot create the directory "
+                     f"({e.strerror or e}); allowed: a directory, or a path "
+                     "where one can be created") from None
+  if not os.access(path, os.W_OK):
+    raise ValueError(f"--out {path}: the directory is not writable")
+
+
 def _emit(results, env, out_dir, plots: bool) -> None:
+  """Writes the files and plots into out_dir, which exists (make_out)."""
   from flash3.bench import report
   results = sorted(results, key=report.sort_key)
-  os.makedirs(out_dir, exist_ok=True)
   text = report.table(results)
   print(text)
   with open(os.path.join(out_dir, "table.txt"), "w") as f:
@@ -358,6 +387,10 @@ def _main(argv: list[str] | None) -> int:
       envs, row_lists = read_results(args.replot, "--replot/--merge")
     elif args.skip_done:
       _, row_lists = read_results(args.skip_done, "--skip-done")
+    if not args.list:
+      check_out(args.out)
+    if args.replot:
+      make_out(args.out)
   except ValueError as e:
     print(f"flash3-bench: {e}", file=sys.stderr)
     return 2
@@ -394,13 +427,17 @@ def _main(argv: list[str] | None) -> int:
     print(f"flash3-bench: cannot run: {problem}; it needs an H100 or H200",
           file=sys.stderr)
     return 1
+  try:  # Before any case runs: check_out cannot catch every unmakeable path.
+    make_out(args.out)
+  except ValueError as e:
+    print(f"flash3-bench: {e}", file=sys.stderr)
+    return 2
   from flash3.bench import report, runner
   env = report.environment(argv)
   options = runner.Options(iterations=args.iterations, warmup=args.warmup,
                            tune=not args.no_tune, modes=tuple(args.modes),
                            compile_jobs=args.compile_jobs,
                            interleave=args.interleave)
-  os.makedirs(args.out, exist_ok=True)
   partial = os.path.join(args.out, "results.json")
   progress = _progress(args.no_progress)
 
