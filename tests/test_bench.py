@@ -296,6 +296,27 @@ def test_parse_shape():
     assert "shape" in str(e.value)
 
 
+@pytest.mark.parametrize("argv,flags", [
+    (["--seqlens", "999"], "--seqlens"), (["--head-dims", "128"], "--head-dims"),
+    (["--suite", "long"], "--suite"), (["--quick"], "--quick"),
+    (["--suite", "fa3", "--seqlens", "64"], "--suite and --seqlens")])
+def test_shape_refuses_the_suite_flags_it_would_ignore(argv, flags, capsys):
+  assert cli.main(["--list", "--shape", "B=1,T=64,N=1,D=64"] + argv) == 2
+  err = _one_error_line(capsys)
+  assert err.startswith("flash3-bench: --shape runs its one shape")
+  assert f"drop {flags} (or --shape)" in err
+
+
+def test_shape_cases_are_sharded_by_dtype(capsys):
+  """--shard deals --shape's cases (one per dtype) out like a suite's."""
+  shape = ["--shape", "B=1,T=64,N=1,D=64", "--dtypes", "float16,bfloat16"]
+  shards = [cli.select_cases(cli.parse(shape + ["--shard", f"{i}/2"]))
+            for i in range(2)]
+  assert [len(s) for s in shards] == [1, 1]
+  assert {shards[0][0].dtype, shards[1][0].dtype} == {"float16", "bfloat16"}
+  assert cli.select_cases(cli.parse(shape[:2] + ["--shard", "1/2"])) == []
+
+
 def test_parse_defaults_and_quick():
   args = cli.parse([])
   assert args.suite is None and args.iterations == 10 and not args.no_tune
@@ -470,7 +491,8 @@ def _one_error_line(capsys) -> str:
 
 def _an_out_that_cannot_be(kind, tmp_path) -> str:
   (tmp_path / "afile").write_text("")
-  return {"file": str(tmp_path / "afile"), "under a file": str(tmp_path / "afile" / "sub"),
+  return {"file": str(tmp_path / "afile"),
+          "under a file": str(tmp_path / "afile" / "sub"),
           "uncreatable": "/proc/nope"}[kind]
 
 

@@ -132,8 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a few shapes, 5 iterations, no block-size search: "
                       "under two minutes")
   p.add_argument("--shape", type=parse_shape, default=None,
-                 help='one shape instead of a suite, e.g. '
-                      '"B=2,T=4096,N=32,K=8,D=128" (Tq=, Tk= for unequal)')
+                 help='one shape instead of a suite (so not with --suite, '
+                      '--quick, --seqlens, --head-dims), e.g. '
+                      '"B=2,T=4096,N=32,K=8,D=128" (Tq=, Tk= for unequal); '
+                      'one case per --dtypes entry')
   p.add_argument("--causal", action="store_true", help="with --shape")
   p.add_argument("--window", type=_window, default=None,
                  help="with --shape: local window LEFT,RIGHT (inclusive) or W for W,W")
@@ -207,19 +209,41 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _shape_cases(args: argparse.Namespace) -> list[Case]:
+  """--shape's case, one per dtype; ValueError for a bad shape or mask."""
+  s = args.shape
+  try:
+    return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"],
+                 s["D"], dtype, causal=args.causal, window=args.window,
+                 num_docs=args.docs, seq_lengths=args.lengths)
+            for dtype in (args.dtypes or ("bfloat16",))]
+  except ValueError as e:
+    if "seq_lengths" in str(e):  # Name the flag the user typed.
+      raise ValueError(f"--lengths: {e}") from None
+    raise
+
+
+def _suite_flags(args: argparse.Namespace) -> list[str]:
+  """The flags given that pick or filter a suite's cases."""
+  given = [("--suite", args.suite is not None), ("--quick", args.quick),
+           ("--seqlens", args.seqlens is not None),
+           ("--head-dims", args.head_dims is not None)]
+  return [flag for flag, is_given in given if is_given]
+
+
 def select_cases(args: argparse.Namespace) -> list[Case]:
   """The cases the arguments ask for. Raises ValueError for bad shapes."""
   if args.shape is not None:
-    s = args.shape
-    try:
-      return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"],
-                   s["D"], dtype, causal=args.causal, window=args.window,
-                   num_docs=args.docs, seq_lengths=args.lengths)
-              for dtype in (args.dtypes or ("bfloat16",))]
-    except ValueError as e:
-      if "seq_lengths" in str(e):  # Name the flag the user typed.
-        raise ValueError(f"--lengths: {e}") from None
-      raise
+    # Silently running the one shape instead would mislead; --dtypes and
+    # --shard still apply (one case per dtype, dealt out like a suite's).
+    flags = " and ".join(_suite_flags(args))
+    if flags:
+      hint = (f"; for --quick's few runs: --iterations {QUICK_ITERATIONS} --no-tune"
+              if args.quick else "")
+      raise ValueError(f"--shape runs its one shape, not a suite's cases; drop "
+                       f"{flags} (or --shape){hint}")
+    cases = _shape_cases(args)
+    return cases if args.shard is None else cases_lib.shard(cases, *args.shard)
   if (args.causal or args.window is not None or args.docs is not None
       or args.lengths is not None):
     raise ValueError("--causal, --window, --docs and --lengths go with "
