@@ -4,6 +4,7 @@ The timing itself (CUPTI) and the real contenders need a Hopper GPU; here the
 runner is driven with stand-in contenders and a stand-in clock.
 """
 
+import argparse
 import csv
 import dataclasses
 import functools
@@ -294,6 +295,17 @@ def test_parse_shape():
     with pytest.raises(Exception) as e:
       cli.parse_shape(bad)
     assert "shape" in str(e.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("B=2,T=64,N=1,D=64,B=3", "gives B twice"),
+    ("B=1,T=64,Tq=32,N=1,D=64", "gives T and Tq;"),
+    ("B=1,T=64,Tk=32,N=1,D=64", "gives T and Tk;"),
+])
+def test_parse_shape_refuses_repeated_or_ambiguous_lengths(text, message):
+  with pytest.raises(argparse.ArgumentTypeError, match=message) as e:
+    cli.parse_shape(text)
+  assert text in str(e.value)
 
 
 @pytest.mark.parametrize("argv,flags", [

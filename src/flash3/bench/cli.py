@@ -93,8 +93,8 @@ def parse_shape(text: str) -> dict[str, int]:
   """"B=2,T=4096,N=32,K=8,D=128" -> sizes. T sets Tq and Tk; K defaults to N.
 
   Raises:
-    argparse.ArgumentTypeError: for unknown keys, non-integers or missing
-      B, N, D or lengths.
+    argparse.ArgumentTypeError: for unknown or repeated keys, T with Tq or Tk,
+      non-integers or missing B, N, D or lengths.
   """
   sizes = {}
   for item in text.split(","):
@@ -104,14 +104,21 @@ def parse_shape(text: str) -> dict[str, int]:
       raise argparse.ArgumentTypeError(
           f"--shape item {item!r}: expected KEY=INT with KEY in "
           f"{', '.join(SHAPE_KEYS)}")
+    if key in sizes:
+      raise argparse.ArgumentTypeError(
+          f"--shape {text!r} gives {key} twice; allowed: each key once")
     try:
       sizes[key] = int(value)
     except ValueError:
       raise argparse.ArgumentTypeError(
           f"--shape item {item!r}: {value!r} is not an int") from None
+  both = [k for k in ("Tq", "Tk") if k in sizes]
+  if "T" in sizes and both:  # T sets Tq and Tk: which one would win?
+    raise argparse.ArgumentTypeError(
+        f"--shape {text!r} gives T and {' and '.join(both)}; allowed: T (both "
+        "lengths) or Tq and Tk, not both")
   if "T" in sizes:
-    sizes.setdefault("Tq", sizes["T"])
-    sizes.setdefault("Tk", sizes["T"])
+    sizes["Tq"] = sizes["Tk"] = sizes["T"]
   missing = [k for k in ("B", "Tq", "Tk", "N", "D") if k not in sizes]
   if missing:
     raise argparse.ArgumentTypeError(
