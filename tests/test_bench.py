@@ -424,6 +424,17 @@ def test_bad_arguments_exit_2(argv, capsys):
   assert "flash3-bench" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "soon"])
+def test_a_time_budget_of_no_time_exits_2(budget, capsys):
+  """0 or less ran no case, wrote empty results and exited 0."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--list", "--time-budget", budget])
+  assert e.value.code == 2
+  assert (f"argument --time-budget: {budget!r}: expected a number of seconds > 0"
+          in capsys.readouterr().err)
+  assert cli.parse(["--time-budget", "0.5"]).time_budget == 0.5
+
+
 @pytest.mark.parametrize("argv", [["--list", "--impls", "bogus"],
                                   ["--replot", "/nonexistent.json"],
                                   ["--replot", "README.md"],

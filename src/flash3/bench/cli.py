@@ -26,6 +26,17 @@ def _positive_int(text: str) -> int:
   return value
 
 
+def _positive_seconds(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = 0.0
+  if not value > 0:  # Also refuses nan; 0 would run no case and exit 0.
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected a number of seconds > 0")
+  return value
+
+
 def _ints(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(x) for x in text.split(","))
@@ -199,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
   p.add_argument("--no-plots", action="store_true")
-  p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+  p.add_argument("--time-budget", type=_positive_seconds, default=None, metavar="SECONDS",
                  help="start no case that would not end within this many "
                       "seconds of the start, judging by the longest case so "
                       "far (then writing the files takes a few seconds more); "
