@@ -424,6 +424,25 @@ def test_bad_arguments_exit_2(argv, capsys):
   assert "flash3-bench" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--window", "-1,0"], "--window '-1,0': must be >= 0"),
+    (["--window", "-3"], "--window '-3': must be >= 0"),
+    (["--lengths", "-1,64"], "--lengths '-1,64': must be >= 1")])
+def test_a_negative_list_value_gets_its_own_error(argv, message, capsys):
+  """argparse took "-1,0" for an option: "expected one argument"."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--list", "--shape", "B=1,T=64,N=1,D=64"] + argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_negative_list_values_are_joined_only_after_their_options():
+  assert cli._join_negative_lists(["--seqlens", "-1,2", "--window", "1,0"]) == [
+      "--seqlens=-1,2", "--window", "1,0"]
+  assert cli._join_negative_lists(["--shape", "-1,0"]) == ["--shape", "-1,0"]
+  assert cli._join_negative_lists(["--window", "-x"]) == ["--window", "-x"]
+
+
 @pytest.mark.parametrize("budget", ["0", "-5", "nan", "soon"])
 def test_a_time_budget_of_no_time_exits_2(budget, capsys):
   """0 or less ran no case, wrote empty results and exited 0."""

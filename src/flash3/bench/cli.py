@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from flash3.bench import cases as cases_lib
@@ -282,8 +283,30 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
   return cases
 
 
+# Options whose value is a comma-separated list of ints.
+INT_LIST_OPTIONS = ("--window", "--lengths", "--seqlens", "--head-dims")
+
+
+def _join_negative_lists(argv: list[str]) -> list[str]:
+  """["--window", "-1,0"] -> ["--window=-1,0"].
+
+  argparse takes a value that starts with '-' for an option unless it is a
+  plain number, and says only "expected one argument"; joined, the value
+  reaches its own check, which says what is wrong with it.
+  """
+  joined = []
+  for arg in argv:
+    if (joined and joined[-1] in INT_LIST_OPTIONS
+        and re.fullmatch(r"-\d[-\d, ]*", arg)):
+      joined[-1] += "=" + arg
+    else:
+      joined.append(arg)
+  return joined
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  args = build_parser().parse_args(argv)
+  argv = sys.argv[1:] if argv is None else argv
+  args = build_parser().parse_args(_join_negative_lists(argv))
   if args.iterations is None:
     args.iterations = QUICK_ITERATIONS if args.quick else 10
   if args.iterations < 1 or args.warmup < 0:
