@@ -4,6 +4,7 @@ The timing itself (CUPTI) and the real contenders need a Hopper GPU; here the
 runner is driven with stand-in contenders and a stand-in clock.
 """
 
+import argparse
 import csv
 import dataclasses
 import functools
@@ -296,6 +297,38 @@ def test_parse_shape():
     assert "shape" in str(e.value)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("B=2,T=64,N=1,D=64,B=3", "gives B twice"),
+    ("B=1,T=64,Tq=32,N=1,D=64", "gives T and Tq;"),
+    ("B=1,T=64,Tk=32,N=1,D=64", "gives T and Tk;"),
+])
+def test_parse_shape_refuses_repeated_or_ambiguous_lengths(text, message):
+  with pytest.raises(argparse.ArgumentTypeError, match=message) as e:
+    cli.parse_shape(text)
+  assert text in str(e.value)
+
+
+@pytest.mark.parametrize("argv,flags", [
+    (["--seqlens", "999"], "--seqlens"), (["--head-dims", "128"], "--head-dims"),
+    (["--suite", "long"], "--suite"), (["--quick"], "--quick"),
+    (["--suite", "fa3", "--seqlens", "64"], "--suite and --seqlens")])
+def test_shape_refuses_the_suite_flags_it_would_ignore(argv, flags, capsys):
+  assert cli.main(["--list", "--shape", "B=1,T=64,N=1,D=64"] + argv) == 2
+  err = _one_error_line(capsys)
+  assert err.startswith("flash3-bench: --shape runs its one shape")
+  assert f"drop {flags} (or --shape)" in err
+
+
+def test_shape_cases_are_sharded_by_dtype(capsys):
+  """--shard deals --shape's cases (one per dtype) out like a suite's."""
+  shape = ["--shape", "B=1,T=64,N=1,D=64", "--dtypes", "float16,bfloat16"]
+  shards = [cli.select_cases(cli.parse(shape + ["--shard", f"{i}/2"]))
+            for i in range(2)]
+  assert [len(s) for s in shards] == [1, 1]
+  assert {shards[0][0].dtype, shards[1][0].dtype} == {"float16", "bfloat16"}
+  assert cli.select_cases(cli.parse(shape[:2] + ["--shard", "1/2"])) == []
+
+
 def test_parse_defaults_and_quick():
   args = cli.parse([])
   assert args.suite is None and args.iterations == 10 and not args.no_tune
@@ -391,6 +424,36 @@ def test_bad_arguments_exit_2(argv, capsys):
   assert "flash3-bench" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--window", "-1,0"], "--window '-1,0': must be >= 0"),
+    (["--window", "-3"], "--window '-3': must be >= 0"),
+    (["--lengths", "-1,64"], "--lengths '-1,64': must be >= 1")])
+def test_a_negative_list_value_gets_its_own_error(argv, message, capsys):
+  """argparse took "-1,0" for an option: "expected one argument"."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--list", "--shape", "B=1,T=64,N=1,D=64"] + argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_negative_list_values_are_joined_only_after_their_options():
+  assert cli._join_negative_lists(["--seqlens", "-1,2", "--window", "1,0"]) == [
+      "--seqlens=-1,2", "--window", "1,0"]
+  assert cli._join_negative_lists(["--shape", "-1,0"]) == ["--shape", "-1,0"]
+  assert cli._join_negative_lists(["--window", "-x"]) == ["--window", "-x"]
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "soon"])
+def test_a_time_budget_of_no_time_exits_2(budget, capsys):
+  """0 or less ran no case, wrote empty results and exited 0."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--list", "--time-budget", budget])
+  assert e.value.code == 2
+  assert (f"argument --time-budget: {budget!r}: expected a number of seconds > 0"
+          in capsys.readouterr().err)
+  assert cli.parse(["--time-budget", "0.5"]).time_budget == 0.5
+
+
 @pytest.mark.parametrize("argv", [["--list", "--impls", "bogus"],
                                   ["--replot", "/nonexistent.json"],
                                   ["--replot", "README.md"],
@@ -460,6 +523,52 @@ def test_an_empty_shard_runs_nothing_and_says_so(capsys, tmp_path):
                    str(tmp_path / "out")]) == 0
   assert "shard 6/8 has no case" in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
+
+
+def _one_error_line(capsys) -> str:
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+  return err
+
+
+def _an_out_that_cannot_be(kind, tmp_path) -> str:
+  (tmp_path / "afile").write_text("")
+  return {"file": str(tmp_path / "afile"),
+          "under a file": str(tmp_path / "afile" / "sub"),
+          "uncreatable": "/proc/nope"}[kind]
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("file", "afile is a file"), ("under a file", "is under"),
+    ("uncreatable", "cannot create the directory")])
+def test_replot_into_an_out_that_cannot_be_a_directory_returns_2(kind, message,
+                                                                 tmp_path, capsys):
+  out = _an_out_that_cannot_be(kind, tmp_path)
+  results = "docs/benchmarks/h200/2026-12-04-s26/call9/bench/results.json"
+  assert cli.main(["--replot", results, "--out", out, "--no-plots"]) == 2
+  err = _one_error_line(capsys)
+  assert err.startswith(f"flash3-bench: --out {out}") and message in err
+
+
+@pytest.mark.parametrize("kind", ["file", "under a file", "uncreatable"])
+def test_a_run_into_a_bad_out_returns_2_before_any_case(kind, tmp_path, capsys,
+                                                        monkeypatch):
+  out = _an_out_that_cannot_be(kind, tmp_path)
+  monkeypatch.setattr(cli, "hopper_problem", lambda: None)  # As on an H200.
+  def fail(*args, **kwargs):
+    raise AssertionError("a case ran")
+  monkeypatch.setattr(runner, "run", fail)
+  assert cli.main(["--shape", "B=1,T=64,N=1,D=64", "--out", out]) == 2
+  assert _one_error_line(capsys).startswith(f"flash3-bench: --out {out}")
+
+
+def test_an_unwritable_out_returns_2(tmp_path, capsys, monkeypatch):
+  access = cli.os.access  # Stands in for a read-only directory (root writes anywhere).
+  monkeypatch.setattr(cli.os, "access",
+                      lambda path, mode: path != str(tmp_path) and access(path, mode))
+  results = "docs/benchmarks/h200/2026-12-04-s26/call9/bench/results.json"
+  assert cli.main(["--replot", results, "--out", str(tmp_path)]) == 2
+  assert "is not writable" in _one_error_line(capsys)
 
 
 def test_mask_flags_need_shape(capsys):

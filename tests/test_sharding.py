@@ -107,6 +107,16 @@ def test_zigzag_bad_arguments_name_themselves(fn, num_shards, axis, match):
     fn(jnp.zeros((1, 8)), num_shards, axis=axis)
 
 
+@pytest.mark.parametrize("fn", [zigzag, unzigzag])
+def test_zigzag_takes_lists_as_arrays(fn):
+  """Lists are arrays to jnp (and to dot_product_attention): the same result."""
+  x = np.arange(16).reshape(2, 8)
+  np.testing.assert_array_equal(fn(x.tolist(), 2), fn(jnp.asarray(x), 2))
+  np.testing.assert_array_equal(fn(tuple(range(8)), 2, axis=0), fn(jnp.arange(8), 2, axis=0))
+  with pytest.raises(TypeError, match="x is a list that is not a rectangular array"):
+    fn([[1, 2], [3]], 1)
+
+
 def test_zigzag_negative_axis_is_the_same_axis():
   x = jnp.arange(32).reshape(2, 16)
   np.testing.assert_array_equal(zigzag(x, 2, axis=-1), zigzag(x, 2, axis=1))
@@ -340,6 +350,14 @@ def test_context_parallel_rejects_mesh_axes_that_do_not_fit():
   assert _cp_call(q36, k36, v36, mesh=mesh, layout="contiguous").shape == q36.shape
   with pytest.raises(ValueError, match=re.escape("query has T=34, which is not a multiple of 4")):
     _cp_call(*_qkv(B=2, T=34, N=4, K=2), mesh=mesh, layout="contiguous")
+
+
+@pytest.mark.parametrize("bad", [None, "ctx", ("ctx",)])
+def test_context_parallel_refuses_a_mesh_that_is_not_a_mesh(bad):
+  q, k, v = _qkv(B=2, T=64, N=4, K=2)
+  with pytest.raises(TypeError, match=re.escape(
+      f"mesh={bad!r}; allowed: a jax.sharding.Mesh (e.g. from jax.make_mesh)")):
+    context_parallel_attention(q, k, v, mesh=bad, sequence_axis="ctx", implementation="xla")
 
 
 def test_context_parallel_checks_before_tracing(monkeypatch):

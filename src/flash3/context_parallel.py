@@ -23,7 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from flash3 import _dispatch, _validate, sharding
 from flash3.attention import dot_product_attention
@@ -42,20 +42,33 @@ def _chunk_order(num_shards: int) -> list[int]:
 def zigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
   """Reorders the sequence ``axis`` of x into the zigzag layout for P shards.
 
+  x is an array, or nested lists of numbers (taken as ``jnp.asarray`` would).
+
   Raises:
     ValueError: if num_shards is not an int >= 1, axis is not an axis of x, or
       the axis length is not a multiple of 2 * num_shards.
+    TypeError: if x is a ragged or non-numeric list.
   """
+  x = _as_array(x)
   axis = _check_layout_args(x, num_shards, axis)
   return _permute_chunks(x, num_shards, axis, _chunk_order(num_shards))
 
 
 def unzigzag(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
   """Inverse of ``zigzag``; the same errors."""
+  x = _as_array(x)
   axis = _check_layout_args(x, num_shards, axis)
   order = _chunk_order(num_shards)
   inverse = [order.index(i) for i in range(len(order))]
   return _permute_chunks(x, num_shards, axis, inverse)
+
+
+def _as_array(x):
+  """x as a jax array: lists and tuples are arrays to jnp, so take them too
+  (a ragged or non-numeric one is a TypeError naming ``x``)."""
+  if isinstance(x, (list, tuple)):
+    x = _validate._array_from_list("x", x, "numbers")
+  return jnp.asarray(x)
 
 
 def _check_layout_args(x, num_shards, axis) -> int:
@@ -133,7 +146,8 @@ def context_parallel_attention(
       axes of the mesh, or T, B, K or N not divisible by the size of the mesh
       axis (2 * size for zigzag T) that splits it.
     TypeError: a dtype or argument ``flash3.dot_product_attention`` refuses
-      (q, k, v that are neither arrays nor rectangular lists of numbers).
+      (q, k, v that are neither arrays nor rectangular lists of numbers), or a
+      mesh that is not a jax.sharding.Mesh.
     NotImplementedError: a head_axis when the Mosaic GPU kernels would run
       (head-split kernel calls are refused for now; docs/multi_gpu.md).
   """
@@ -205,6 +219,10 @@ def _check(query, key, value, *, mesh, sequence_axis, batch_axis, head_axis,
       query_seq_lengths=None, key_value_seq_lengths=None, **kwargs)
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r}; allowed: {LAYOUTS}")
+  # An AbstractMesh has the same axis names and sizes, and shard_map takes it.
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise TypeError(f"mesh={mesh!r}; allowed: a jax.sharding.Mesh (e.g. from "
+                    "jax.make_mesh) with sequence_axis among its axes")
   names = tuple(mesh.axis_names)
   axes = (("sequence_axis", sequence_axis), ("batch_axis", batch_axis),
           ("head_axis", head_axis))

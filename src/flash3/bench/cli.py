@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from flash3.bench import cases as cases_lib
@@ -23,6 +24,17 @@ def _positive_int(text: str) -> int:
     value = 0
   if value < 1:
     raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+  return value
+
+
+def _positive_seconds(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = 0.0
+  if not value > 0:  # Also refuses nan; 0 would run no case and exit 0.
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: expected a number of seconds > 0")
   return value
 
 
@@ -93,8 +105,8 @@ def parse_shape(text: str) -> dict[str, int]:
   """"B=2,T=4096,N=32,K=8,D=128" -> sizes. T sets Tq and Tk; K defaults to N.
 
   Raises:
-    argparse.ArgumentTypeError: for unknown keys, non-integers or missing
-      B, N, D or lengths.
+    argparse.ArgumentTypeError: for unknown or repeated keys, T with Tq or Tk,
+      non-integers or missing B, N, D or lengths.
   """
   sizes = {}
   for item in text.split(","):
@@ -104,14 +116,21 @@ def parse_shape(text: str) -> dict[str, int]:
       raise argparse.ArgumentTypeError(
           f"--shape item {item!r}: expected KEY=INT with KEY in "
           f"{', '.join(SHAPE_KEYS)}")
+    if key in sizes:
+      raise argparse.ArgumentTypeError(
+          f"--shape {text!r} gives {key} twice; allowed: each key once")
     try:
       sizes[key] = int(value)
     except ValueError:
       raise argparse.ArgumentTypeError(
           f"--shape item {item!r}: {value!r} is not an int") from None
+  both = [k for k in ("Tq", "Tk") if k in sizes]
+  if "T" in sizes and both:  # T sets Tq and Tk: which one would win?
+    raise argparse.ArgumentTypeError(
+        f"--shape {text!r} gives T and {' and '.join(both)}; allowed: T (both "
+        "lengths) or Tq and Tk, not both")
   if "T" in sizes:
-    sizes.setdefault("Tq", sizes["T"])
-    sizes.setdefault("Tk", sizes["T"])
+    sizes["Tq"] = sizes["Tk"] = sizes["T"]
   missing = [k for k in ("B", "Tq", "Tk", "N", "D") if k not in sizes]
   if missing:
     raise argparse.ArgumentTypeError(
@@ -132,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a few shapes, 5 iterations, no block-size search: "
                       "under two minutes")
   p.add_argument("--shape", type=parse_shape, default=None,
-                 help='one shape instead of a suite, e.g. '
-                      '"B=2,T=4096,N=32,K=8,D=128" (Tq=, Tk= for unequal)')
+                 help='one shape instead of a suite (so not with --suite, '
+                      '--quick, --seqlens, --head-dims), e.g. '
+                      '"B=2,T=4096,N=32,K=8,D=128" (Tq=, Tk= for unequal); '
+                      'one case per --dtypes entry')
   p.add_argument("--causal", action="store_true", help="with --shape")
   p.add_argument("--window", type=_window, default=None,
                  help="with --shape: local window LEFT,RIGHT (inclusive) or W for W,W")
@@ -190,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="directory for results.json, results.csv, table.txt, "
                       "summary.md and plots/ (default ./bench-results)")
   p.add_argument("--no-plots", action="store_true")
-  p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+  p.add_argument("--time-budget", type=_positive_seconds, default=None, metavar="SECONDS",
                  help="start no case that would not end within this many "
                       "seconds of the start, judging by the longest case so "
                       "far (then writing the files takes a few seconds more); "
@@ -207,19 +228,41 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _shape_cases(args: argparse.Namespace) -> list[Case]:
+  """--shape's case, one per dtype; ValueError for a bad shape or mask."""
+  s = args.shape
+  try:
+    return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"],
+                 s["D"], dtype, causal=args.causal, window=args.window,
+                 num_docs=args.docs, seq_lengths=args.lengths)
+            for dtype in (args.dtypes or ("bfloat16",))]
+  except ValueError as e:
+    if "seq_lengths" in str(e):  # Name the flag the user typed.
+      raise ValueError(f"--lengths: {e}") from None
+    raise
+
+
+def _suite_flags(args: argparse.Namespace) -> list[str]:
+  """The flags given that pick or filter a suite's cases."""
+  given = [("--suite", args.suite is not None), ("--quick", args.quick),
+           ("--seqlens", args.seqlens is not None),
+           ("--head-dims", args.head_dims is not None)]
+  return [flag for flag, is_given in given if is_given]
+
+
 def select_cases(args: argparse.Namespace) -> list[Case]:
   """The cases the arguments ask for. Raises ValueError for bad shapes."""
   if args.shape is not None:
-    s = args.shape
-    try:
-      return [Case("single", s["B"], s["Tq"], s["Tk"], s["N"], s["K"],
-                   s["D"], dtype, causal=args.causal, window=args.window,
-                   num_docs=args.docs, seq_lengths=args.lengths)
-              for dtype in (args.dtypes or ("bfloat16",))]
-    except ValueError as e:
-      if "seq_lengths" in str(e):  # Name the flag the user typed.
-        raise ValueError(f"--lengths: {e}") from None
-      raise
+    # Silently running the one shape instead would mislead; --dtypes and
+    # --shard still apply (one case per dtype, dealt out like a suite's).
+    flags = " and ".join(_suite_flags(args))
+    if flags:
+      hint = (f"; for --quick's few runs: --iterations {QUICK_ITERATIONS} --no-tune"
+              if args.quick else "")
+      raise ValueError(f"--shape runs its one shape, not a suite's cases; drop "
+                       f"{flags} (or --shape){hint}")
+    cases = _shape_cases(args)
+    return cases if args.shard is None else cases_lib.shard(cases, *args.shard)
   if (args.causal or args.window is not None or args.docs is not None
       or args.lengths is not None):
     raise ValueError("--causal, --window, --docs and --lengths go with "
@@ -240,8 +283,30 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
   return cases
 
 
+# Options whose value is a comma-separated list of ints.
+INT_LIST_OPTIONS = ("--window", "--lengths", "--seqlens", "--head-dims")
+
+
+def _join_negative_lists(argv: list[str]) -> list[str]:
+  """["--window", "-1,0"] -> ["--window=-1,0"].
+
+  argparse takes a value that starts with '-' for an option unless it is a
+  plain number, and says only "expected one argument"; joined, the value
+  reaches its own check, which says what is wrong with it.
+  """
+  joined = []
+  for arg in argv:
+    if (joined and joined[-1] in INT_LIST_OPTIONS
+        and re.fullmatch(r"-\d[-\d, ]*", arg)):
+      joined[-1] += "=" + arg
+    else:
+      joined.append(arg)
+  return joined
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  args = build_parser().parse_args(argv)
+  argv = sys.argv[1:] if argv is None else argv
+  args = build_parser().parse_args(_join_negative_lists(argv))
   if args.iterations is None:
     args.iterations = QUICK_ITERATIONS if args.quick else 10
   if args.iterations < 1 or args.warmup < 0:
@@ -277,10 +342,39 @@ def _progress(disabled: bool):
   return lambda items: tqdm(items, desc="flash3-bench", unit="case")
 
 
+def check_out(path: str) -> None:
+  """Refuses an --out that cannot become a directory, creating nothing (a run
+  without a GPU or with nothing to do leaves no directory behind).
+
+  Raises:
+    ValueError: if path, or the nearest of its parents that exists, is not a
+      directory.
+  """
+  full = existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    where = "is a file" if existing == full else f"is under {existing}, a file"
+    raise ValueError(f"--out {path} {where}; allowed: a directory, or a path "
+                     "where one can be created")
+
+
+def make_out(path: str) -> None:
+  """Creates the --out directory; ValueError naming it where that fails."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--out {path}: cannot create the directory "
+                     f"({e.strerror or e}); allowed: a directory, or a path "
+                     "where one can be created") from None
+  if not os.access(path, os.W_OK):
+    raise ValueError(f"--out {path}: the directory is not writable")
+
+
 def _emit(results, env, out_dir, plots: bool) -> None:
+  """Writes the files and plots into out_dir, which exists (make_out)."""
   from flash3.bench import report
   results = sorted(results, key=report.sort_key)
-  os.makedirs(out_dir, exist_ok=True)
   text = report.table(results)
   print(text)
   with open(os.path.join(out_dir, "table.txt"), "w") as f:
@@ -358,6 +452,10 @@ def _main(argv: list[str] | None) -> int:
       envs, row_lists = read_results(args.replot, "--replot/--merge")
     elif args.skip_done:
       _, row_lists = read_results(args.skip_done, "--skip-done")
+    if not args.list:
+      check_out(args.out)
+    if args.replot:
+      make_out(args.out)
   except ValueError as e:
     print(f"flash3-bench: {e}", file=sys.stderr)
     return 2
@@ -394,13 +492,17 @@ def _main(argv: list[str] | None) -> int:
     print(f"flash3-bench: cannot run: {problem}; it needs an H100 or H200",
           file=sys.stderr)
     return 1
+  try:  # Before any case runs: check_out cannot catch every unmakeable path.
+    make_out(args.out)
+  except ValueError as e:
+    print(f"flash3-bench: {e}", file=sys.stderr)
+    return 2
   from flash3.bench import report, runner
   env = report.environment(argv)
   options = runner.Options(iterations=args.iterations, warmup=args.warmup,
                            tune=not args.no_tune, modes=tuple(args.modes),
                            compile_jobs=args.compile_jobs,
                            interleave=args.interleave)
-  os.makedirs(args.out, exist_ok=True)
   partial = os.path.join(args.out, "results.json")
   progress = _progress(args.no_progress)
 
