@@ -1,9 +1,11 @@
-"""``BackwardConfig.late_keep``: the dq kernel forms a masked tile's keep after
-its scores' matmul (the column index tied to s by an optimization barrier).
-The same pairs are masked, so dq, dk and dv are bitwise those without it:
-interpret mode on the masks whose tiles the dq kernel masks (causal both
-alignments with a ragged tail, a window's one-sided edges, lengths, packed
-documents, a soft cap); on an H100/H200 the same at D = 64 and 128.
+"""``BackwardConfig.late_keep``: the dq kernel forms a masked tile's keep where
+it uses it (the default) or at the top of its step (False, the order before the
+fortieth session). The same pairs are masked, so dq, dk and dv are bitwise
+equal either way: interpret mode on the masks whose tiles the dq kernel masks
+(causal both alignments with a ragged tail, a window's one-sided edges,
+lengths, packed documents, a soft cap); on an H100/H200 the same at D = 64
+and 128, where the keep is formed inside the overlapped matmuls' window
+(interpret mode runs the plain order).
 """
 
 from __future__ import annotations
@@ -37,18 +39,18 @@ CASES = [
 def test_config_field_is_checked():
   with pytest.raises(ValueError, match="late_keep"):
     BackwardConfig(late_keep=1)
-  assert not BackwardConfig().late_keep
+  assert BackwardConfig().late_keep
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_interpret_late_keep_is_bitwise_the_default(case):
+def test_interpret_late_keep_is_bitwise_the_early_keep(case):
   _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
   (q, k, v, do), o_lse, grads = check_opts(
       B, Tq, Tk, N, K, D, dtype, mask, interpret=True,
       config=BackwardConfig(late_keep=True), **opts)
   base = run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts=opts,
-                  interpret=True, o_lse=o_lse, config=BackwardConfig())
+                  interpret=True, o_lse=o_lse, config=BackwardConfig(late_keep=False))
   for name, a, b in zip(("dq", "dk", "dv"), grads, base):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                   err_msg=name)
@@ -58,9 +60,10 @@ def test_interpret_late_keep_is_bitwise_the_default(case):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("mask", [W(causal=True), W(causal=True, window_left=300)],
                          ids=["causal", "window"])
-def test_gpu_late_keep_is_bitwise_the_default(D, mask):
-  """The default config with and without late_keep; Tq = 1000 leaves a
-  ragged last query tile."""
+def test_gpu_late_keep_is_bitwise_the_early_keep(D, mask):
+  """The default config (late_keep) against the early keep; Tq = 1000 leaves a
+  ragged last query tile. On the GPU the keep is formed inside the overlapped
+  matmuls' window (interpret mode runs the plain order)."""
   from flash3.kernels import forward
   from test_forward_kernel import make_qkv
   B, N, K, Tq, Tk = 2, 4, 2, 1000, 1024

@@ -258,11 +258,9 @@ def test_kernel_path_keeps_shard_maps_varying_axes(option, interpret, monkeypatc
     from flash3 import _dispatch
     monkeypatch.setattr(_dispatch, "choose", lambda p, impl: "mosaic")
     context = contextlib.nullcontext()
-  with context:
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, sinks)
+  with context:  # Raised before the fix: the gradients' types did not match.
+    jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, sinks)
   assert seen["o"] == {"data"}
-  assert [str(a) for a in jaxpr.out_avals] == [
-      str(jax.typeof(x)) for x in (q, k, k, sinks)[:len(argnums)]]
 
 
 def test_kernel_path_inside_shard_map_still_needs_the_psum():

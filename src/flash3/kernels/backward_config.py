@@ -169,14 +169,14 @@ class BackwardConfig:
       then writes every row the dk/dv kernel reads). Without it, or when the
       caller passes ``delta``, XLA forms delta. Untimed (thirty-fourth
       session): off by default.
-    late_keep: the dq kernel forms a masked tile's keep once its scores are
-      in registers (the column index passes an optimization barrier with
-      s), not before their matmul. Formed before, LLVM held it across the
-      matmuls as packed bits. Offline, with ptxas at T=4096 causal, D=64's
-      masked loop went from 912 to 724 instructions per tile, with no LOP3
-      packing left. At D=128 ptxas hoists the compares above the matmuls
-      anyway, and the loop grew from 944 to 1013 instructions with 4
-      local-memory ones. Off by default: not yet timed (fortieth session).
+    late_keep: the dq kernel forms a masked tile's keep where it uses it,
+      once the scores' matmul is issued (True, the default since the
+      fortieth session), instead of at the top of the step (False). Formed
+      there, LLVM carried it across the matmuls as packed bits: offline
+      (ptxas, causal, T=4096) the masked loop went from 912 to 724
+      instructions per tile at D=64 and from 944 to 756 at D=128 (213 LOP3
+      fewer), against 370 / 408 in the unmasked loop. The same pairs are
+      masked either way. Not yet timed (the A/B is in docs/gpu_runs.md).
   """
 
   block_q_dq: int = 64
@@ -202,7 +202,7 @@ class BackwardConfig:
   one_sided_edges: bool = True
   dkv_row_bounds: bool = False
   fuse_delta: bool = False
-  late_keep: bool = False
+  late_keep: bool = True
 
   @property
   def stages_dkv(self) -> int:

@@ -171,33 +171,29 @@ def dq_call(q, k, v, do, lse2, delta, *, q_len, kv_len, scale, mask, config,
           k_seg = plgpu.load(seg_refs[1].at[b, pl.ds(t * bk, bk)],
                              layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
-        def keep_of(s):
-          """(s, the tile's keep or None). With ``config.late_keep`` the
-          keep's column index passes a barrier with s, so the keep is formed
-          once the scores are in registers: formed before their matmul, LLVM
-          held it across the matmuls as packed bits (D=64 causal: about 200
-          LOP3 per tile, docs/ptxas.md)."""
-          if not masked:
-            return s, None
-          col_lo = t * bk
-          if config.late_keep:
-            s, col_lo = lax.optimization_barrier((s, col_lo))
+        def keep_of():
+          """The tile's keep (None: all visible)."""
           # Rows past q_len see nothing by the upper bound; with ("lo",) they
           # see more, harmlessly: their dq is selected to 0 below.
           keep = tile_mask.keep(
               tile_mask.key_bounds(mask, q_lo, bq, shift, kl,
-                                   None if lens is None else ql), col_lo, shape,
+                                   None if lens is None else ql), t * bk, shape,
               sides)
           if seg_refs is not None:
             same_doc = (lax.broadcast_in_dim(q_seg, shape, [0])
                         == lax.broadcast_in_dim(k_seg, shape, [1]))
             keep = same_doc if keep is None else keep & same_doc
-          return s, keep
+          return keep
+
+        # config.late_keep: formed where p is, after the scores' matmul is
+        # issued. Formed before it, LLVM carried the keep across the matmuls
+        # as packed bits (about 200 LOP3 per tile, docs/ptxas.md).
+        early_keep = keep_of() if masked and not config.late_keep else None
 
         fold = softcap is not None and config.fold_softcap
 
         def probabilities(s):
-          s, keep = keep_of(s)
+          keep = keep_of() if masked and config.late_keep else early_keep
           p, th = tiles.probabilities(s, lax.broadcast_in_dim(lse2_row, shape, [0]),
                                       scale=scale, softcap=softcap,
                                       fma_cols=config.exp2_fma_cols, guard=staged)
