@@ -781,6 +781,28 @@ def run_opts(q, k, v, do, *, scale, mask, opts, interpret, o_lse=None, config=No
   return f(q, k, v, *o_lse, do, **arrays)
 
 
+def assert_gpu_config_field_is_bitwise(D, mask, field: str, seed: int) -> None:
+  """The default backward config with ``field`` True against False, on the
+  GPU: dq, dk and dv bitwise equal, finite and not all 0 (B=2, N=4, K=2,
+  Tq=1000 against Tk=1024: a ragged last query tile)."""
+  from flash3.kernels import forward
+  from test_forward_kernel import make_qkv
+  B, N, K, Tq, Tk = 2, 4, 2, 1000, 1024
+  q, k, v = make_qkv(jax.random.key(seed), B, Tq, Tk, N, K, D, jnp.bfloat16)
+  do = jax.random.normal(jax.random.key(seed + 1), q.shape,
+                         jnp.float32).astype(jnp.bfloat16)
+  o, lse = forward.attention_forward(q, k, v, scale=D ** -0.5, mask=mask)
+  base = BackwardConfig.heuristic(D, Tq, Tk, mask)
+  grads = {on: run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts={},
+                        interpret=False, o_lse=(o, lse),
+                        config=dataclasses.replace(base, **{field: on}))
+           for on in (True, False)}
+  for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all() and np.abs(a).max() > 0, name
+    np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def check_opts(B, Tq, Tk, N, K, D, dtype, mask, *, interpret, seed=0,
                scale=None, factor=FACTOR, config=None, do_fn=None, **opts):
   """The kernels with options vs jax.grad of attention_reference (FA3 rule);

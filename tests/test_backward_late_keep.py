@@ -10,9 +10,6 @@ and 128, where the keep is formed inside the overlapped matmuls' window
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +17,7 @@ import pytest
 from flash3.kernels.backward_config import BackwardConfig
 from flash3.visibility import MaskSpec as W
 
-from test_backward_kernel import check_opts, run_opts
+from test_backward_kernel import assert_gpu_config_field_is_bitwise, check_opts, run_opts
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -64,18 +61,4 @@ def test_gpu_late_keep_is_bitwise_the_early_keep(D, mask):
   """The default config (late_keep) against the early keep; Tq = 1000 leaves a
   ragged last query tile. On the GPU the keep is formed inside the overlapped
   matmuls' window (interpret mode runs the plain order)."""
-  from flash3.kernels import forward
-  from test_forward_kernel import make_qkv
-  B, N, K, Tq, Tk = 2, 4, 2, 1000, 1024
-  q, k, v = make_qkv(jax.random.key(11), B, Tq, Tk, N, K, D, BF16)
-  do = jax.random.normal(jax.random.key(12), q.shape, jnp.float32).astype(BF16)
-  o, lse = forward.attention_forward(q, k, v, scale=D ** -0.5, mask=mask)
-  base = BackwardConfig.heuristic(D, Tq, Tk, mask)
-  grads = {late: run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts={},
-                          interpret=False, o_lse=(o, lse),
-                          config=dataclasses.replace(base, late_keep=late))
-           for late in (True, False)}
-  for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.isfinite(a).all() and np.abs(a).max() > 0, name
-    np.testing.assert_array_equal(a, b, err_msg=name)
+  assert_gpu_config_field_is_bitwise(D, mask, "late_keep", seed=11)
