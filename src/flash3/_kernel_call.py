@@ -282,10 +282,11 @@ def _backward(static: KernelArgs, residuals, cotangents):
     p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sink - lse))
     no_grads = no_grads._replace(
         sinks=(-(p_sink * delta).sum(axis=(0, 2))).astype(extras.sinks.dtype))
-  if no_grads.sinks is not None:
-    no_grads = no_grads._replace(sinks=_varying(no_grads.sinks, _vma(extras.sinks)))
-  return (_varying(sharding.merge_heads(dq5), _vma(q)), _varying(dk, _vma(k)),
-          _varying(dv, _vma(v)), no_grads)
+  # mosaic_attention made every operand vary over the same axes: so does each
+  # gradient (the kernels' outputs carry none).
+  vary = functools.partial(_varying, axes=_vma(q))
+  return (vary(sharding.merge_heads(dq5)), vary(dk), vary(dv),
+          jax.tree.map(vary, no_grads))
 
 
 def _reference_backward(static, residuals, cotangents, missing):
