@@ -9,7 +9,7 @@
 #   OUT=/some/dir DEADLINE=560 BOTH="mgpu_bench" A="tests racecheck" B="drain bench" \
 #     bash scripts/gpu_session.sh
 # Stages: tests (kernel GPU tests of $TEST_ARGS, pytest-xdist; TEST_K="..." selects
-# with -k), api (tests/test_mosaic_path.py),
+# with -k), api (tests/test_mosaic_path.py, API_TESTS_BUDGET s),
 # serial (the T=131072 memory test), racecheck (RACECHECK_ARGS="--only role_split"
 # for that group alone), drain (scripts/bench_drain.py),
 # bench (flash3-bench $BENCH, tokamax from .whl), bench2 (the same with $BENCH2, into
@@ -77,7 +77,7 @@ run_stage() {  # run_stage NAME GPU
       # shellcheck disable=SC2046
       shared stage "tests-$(basename "$f" .txt)" ${TESTS_BUDGET:-420} "$g" python3 -m pytest \
         -p no:cacheprovider -v -n ${TEST_JOBS:-14} -rfE --durations=20 $(cat "$f") ;;
-    api) shared stage api 120 "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -rfE \
+    api) shared stage api ${API_TESTS_BUDGET:-200} "$g" python3 -m pytest -q -p no:cacheprovider -n 4 -rfE \
            tests/test_mosaic_path.py ;;
     serial) FLASH3_RESULTS_DIR="$R" XLA_PYTHON_CLIENT_PREALLOCATE=false stage serial 150 "$g" \
               python3 -m pytest -q -s -p no:cacheprovider -m "gpu and serial" -rfE tests ;;
