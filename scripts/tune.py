@@ -113,7 +113,7 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
     if D > 128:  # dk and dv float32 (64, 256) tiles: no registers for dq too.
       return [base]
     fused = dataclasses.replace(base, split_dkv=False, block_q_dkv=64,
-                                deterministic=False)
+                                deterministic=False, fuse_delta=False)
     cands = [base]
     for kw in (dict(), dict(num_stages=3), dict(fuse_matmuls=True),
                dict(compute_wgs_dkv=1), dict(num_stages=1), dict(share_dq=True),

@@ -168,17 +168,9 @@ class BackwardConfig:
       ``block_q_dkv`` dividing ``compute_wgs_dq * block_q_dq`` (the dq grid
       then writes every row the dk/dv kernel reads). Without it, or when the
       caller passes ``delta``, XLA forms delta. On an H200 (fortieth
-      session, causal D=64 and 128, T=512 and 4096, one run) 1-3% faster;
-      still off by default until the heuristic takes it.
-    late_keep: the dq kernel forms a masked tile's keep where it uses it,
-      once the scores' matmul is issued (True, the default since the
-      fortieth session), instead of at the top of the step (False). Formed
-      there, LLVM carried it across the matmuls as packed bits: offline
-      (ptxas, causal, T=4096) the masked loop went from 912 to 724
-      instructions per tile at D=64 and from 944 to 756 at D=128 (213 LOP3
-      fewer), against 370 / 408 in the unmasked loop. The same pairs are
-      masked either way. On an H200 (fortieth session, causal, one run):
-      the backward 0.4-2.5% faster at D=64 and 128, T=512 and 4096.
+      session, causal D=64 and 128, T=512 and 4096, one run) 1-3% faster:
+      the heuristic's choice for the deterministic backward up to
+      head_dim 128 (forty-first session) where it fits.
   """
 
   block_q_dq: int = 64
@@ -204,7 +196,6 @@ class BackwardConfig:
   one_sided_edges: bool = True
   dkv_row_bounds: bool = False
   fuse_delta: bool = False
-  late_keep: bool = True
 
   @property
   def stages_dkv(self) -> int:
@@ -223,7 +214,7 @@ class BackwardConfig:
                    min(self.block_kv_dq, self.block_q_dkv))
     for name in ("split_dkv", "fuse_matmuls", "reverse_q_tiles", "deterministic",
                  "share_dq", "overlap_matmuls", "pair_dq", "role_split", "fold_softcap",
-                 "one_sided_edges", "dkv_row_bounds", "fuse_delta", "late_keep"):
+                 "one_sided_edges", "dkv_row_bounds", "fuse_delta"):
       check_bool(name, getattr(self, name))
     if self.role_split and (self.compute_wgs_dkv != 2 or not self.deterministic
                             or self.split_dkv):
@@ -367,6 +358,10 @@ class BackwardConfig:
       # D=128 causal T=4096 3.4%, non-causal 4096 even. The single kernel
       # keeps 232 / 40 (untimed with 240).
       config = dataclasses.replace(config, compute_registers=240, producer_registers=24)
+      # delta = rowsum(o * do) in the dq kernel, not an XLA pass over o and do
+      # before both kernels: on an H200 (fortieth session, causal, D=64 and
+      # 128, T=512 and 4096, one run) 1-3% faster, most at short lengths.
+      config = dataclasses.replace(config, fuse_delta=True)
     if span is not None and not config.role_split:
       # A window's edge tiles by each key's query range, one compare per
       # element where one bound alone cuts (dkv_row_bounds): offline
@@ -385,6 +380,10 @@ class BackwardConfig:
     # Interpret mode stages register operands in smem too: shallower rings,
     # each kernel's on its own (the dk/dv kernel's with role_split at D=256).
     fits = lambda i: config.smem_bytes(head_dim, 2, interpret=interpret)[i] <= SMEM_LIMIT_BYTES
+    if not fits(0) and config.fuse_delta:
+      # The o tile before a shallower ring (interpret mode at D=128: its ds
+      # staging leaves no room for both; the GPU's D=128 fits).
+      config = dataclasses.replace(config, fuse_delta=False)
     while not fits(1) and config.stages_dkv > 1:
       config = dataclasses.replace(config, num_stages_dkv=config.stages_dkv - 1)
     while not fits(0) and config.num_stages > 1:
