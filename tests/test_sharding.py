@@ -263,6 +263,90 @@ def test_kernel_path_keeps_shard_maps_varying_axes(option, interpret, monkeypatc
   assert seen["o"] == {"data"}
 
 
+_REFERENCE_NAMES = {"q_lengths": "query_seq_lengths", "kv_lengths": "key_value_seq_lengths",
+                    "q_segment_ids": "query_segment_ids",
+                    "kv_segment_ids": "key_value_segment_ids", "sinks": "sinks"}
+
+
+def _stand_in_kernels(monkeypatch):
+  """The kernel calls of flash3._kernel_call replaced by the float32 reference
+  (same operands, shapes and residuals), so the kernel path's shard_map types
+  run on CPU devices with numbers: forward (o5, lse) and backward (dq5, dk, dv)
+  from the reference's vjp."""
+  from flash3 import _dispatch, _kernel_call
+
+  def reference(static, names, values, q, k, v):
+    kw = {_REFERENCE_NAMES[n]: x for n, x in zip(names, values)}
+    if "sinks" in kw:
+      kw["sinks"] = kw["sinks"].reshape(-1)  # (K, G) -> (N,)
+    o, lse = attention_reference(q, k, v, scale=static.scale, spec=static.spec,
+                                 logits_soft_cap=static.softcap, **kw)
+    return o, lse.transpose(0, 2, 1)  # lse (B, N, T)
+
+  def forward_call(static, names):
+    def forward(q5, k, v, *values):
+      B, T, K, G, _ = q5.shape
+      o, lse = reference(static, names, values, sharding.merge_heads(q5), k, v)
+      return sharding.split_heads(o.astype(q5.dtype), K), lse.reshape(B, K, G, T)
+    return forward
+
+  def backward_call(static, names, shift):
+    def backward(q5, k, v, o5, lse, do5, row, *values):
+      B, T, K, G, _ = q5.shape
+      q, o, do = map(sharding.merge_heads, (q5, o5, do5))
+      row = row.reshape(B, K * G, T)
+      # row is lse's cotangent, or delta = rowsum(o * do) - that cotangent.
+      dlse = row if shift == "dlse" else jnp.einsum("btnd,btnd->bnt", o, do) - row
+      _, vjp = jax.vjp(lambda q, k, v: reference(static, names, values, q, k, v), q, k, v)
+      dq, dk, dv = vjp((do, dlse))
+      return sharding.split_heads(dq, K), dk, dv
+    return backward
+
+  calls = []
+  count = lambda make: lambda *a: calls.append(make.__name__) or make(*a)
+  monkeypatch.setattr(_kernel_call, "_forward_call", count(forward_call))
+  monkeypatch.setattr(_kernel_call, "_backward_call", count(backward_call))
+  monkeypatch.setattr(_dispatch, "choose", lambda p, impl: "mosaic")
+  return calls
+
+
+@pytest.mark.parametrize("option", ["none", "sinks", "lengths", "segments", "whole_kv"])
+def test_kernel_path_inside_shard_map_equals_the_unsharded_call(option, monkeypatch):
+  """Numbers, not only types: o and every gradient of the kernel path inside a
+  two-device shard_map (check_vma on) equal the unsharded call's, with the
+  kernels stood in by the reference. Operands given whole (sinks; k and v in
+  whole_kv, where each device holds half the queries) have gradients summed
+  over the devices."""
+  calls = _stand_in_kernels(monkeypatch)
+  mesh = _mesh((2,), ("data",))
+  q, k, v = _qkv(B=2, T=32, N=4, K=2, D=16, seed=3)
+  kw = {"lengths": dict(query_seq_lengths=jnp.array([20, 32]),
+                        key_value_seq_lengths=jnp.array([32, 9])),
+        "segments": dict(query_segment_ids=jnp.arange(64).reshape(2, 32) // 12,
+                         key_value_segment_ids=jnp.arange(64).reshape(2, 32) // 12),
+        }.get(option, {})
+  sinks = jax.random.normal(jax.random.key(4), (4,)) if option == "sinks" else None
+  causal = option != "whole_kv"  # half the queries see all keys: no diagonal
+  rows, kv = (P(None, "data"), P()) if option == "whole_kv" else (P("data"), P("data"))
+
+  def attend(q, k, v, kw, sinks, implementation):
+    return flash3.dot_product_attention(q, k, v, is_causal=causal, sinks=sinks,
+                                        implementation=implementation, **kw)
+
+  f = jax.shard_map(lambda *a: attend(*a, "mosaic"), mesh=mesh,
+                    in_specs=(rows, kv, kv, P("data"), P()), out_specs=rows)
+  loss = lambda f: lambda q, k, v, sinks: jnp.sum(jnp.sin(f(q, k, v, kw, sinks)))
+  argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+  got = jax.jit(jax.value_and_grad(loss(f), argnums=argnums))(q, k, v, sinks)
+  want = jax.value_and_grad(loss(lambda *a: attend(*a, "xla")), argnums=argnums)(
+      q, k, v, sinks)
+  assert set(calls) == {"forward_call", "backward_call"}  # the kernel path ran
+  for name, x, y in zip(("loss", "dq", "dk", "dv", "dsinks"),
+                        jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert not np.isnan(np.asarray(x)).any(), name
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
 def test_kernel_path_inside_shard_map_still_needs_the_psum():
   """check_vma still refuses a body that returns a per-device value as
   replicated: the kernel path's o varies, as the XLA path's does."""
