@@ -188,7 +188,8 @@ def test_windows_take_the_dkv_row_bounds_by_default(D, mask, kv_len, want):
     assert config.one_sided_edges
 
 
-SINGLE_KERNEL_CASES = ["narrow-window", "window-lengths", "window-past-kv-len"]
+SINGLE_KERNEL_CASES = ["narrow-window", "window-lengths", "window-past-kv-len",
+                       "causal-ragged", "causal-lengths-gqa"]
 
 
 @pytest.mark.interpret
@@ -196,12 +197,15 @@ SINGLE_KERNEL_CASES = ["narrow-window", "window-lengths", "window-past-kv-len"]
                          ids=SINGLE_KERNEL_CASES)
 def test_interpret_single_kernel_backward_with_row_bounds(case):
   """deterministic=False at D=64 (dq summed from the dk/dv kernel's dsT): its
-  row-bound keep (the heuristic's for windows) against the pairwise rule.
-  Key rows past kv_len must give dsT = 0 there, since dq sums over them."""
+  row-bound keep (the heuristic's for windows, forced for plain causal)
+  against the pairwise rule. Key rows past kv_len must give dsT = 0 there,
+  since dq sums over them."""
   _, B, Tq, Tk, N, K, D, dtype, mask, opts = case
   opts = _expand_opts(opts, Tq, Tk)
   config = BackwardConfig.heuristic(D, Tq, Tk, mask, interpret=True, deterministic=False)
-  assert config.dkv_row_bounds and not config.deterministic
+  assert config.dkv_row_bounds != (mask.window_left is None and mask.window_right is None)
+  config = dataclasses.replace(config, dkv_row_bounds=True)
+  assert not config.deterministic
   (q, k, v, do), o_lse, grads = check_opts(B, Tq, Tk, N, K, D, dtype, mask,
                                            interpret=True, config=config, **opts)
   pairwise = run_opts(q, k, v, do, scale=D ** -0.5, mask=mask, opts=opts,
