@@ -143,6 +143,18 @@ def _bwd_variants(D, causal, nondeterministic=False, window=None, T=4096):
   return _fitting(cands, D)
 
 
+def _replace(what, base, kw):
+  """``base`` with ``kw``; a backward default's fuse_delta dropped where ``kw``
+  cannot take it (the single kernel, or a dq grid whose rows do not cover the
+  dk/dv kernel's tiles) unless ``kw`` names it."""
+  try:
+    return dataclasses.replace(base, **kw)
+  except ValueError:
+    if what != "bwd" or not base.fuse_delta or "fuse_delta" in kw:
+      raise
+    return dataclasses.replace(base, **kw, fuse_delta=False)
+
+
 def _vary_candidates(what, D, T, causal, window, vary, docs=None):
   """The default config for this shape (packed rows when ``docs``) with every
   combination of ``vary`` ({field: [values]}) applied: an A/B of config
@@ -167,7 +179,7 @@ def _vary_candidates(what, D, T, causal, window, vary, docs=None):
       # these cannot run.
       kw["half_edge_tiles"] = False
     try:
-      c = dataclasses.replace(base, **kw)
+      c = _replace(what, base, kw)
     except ValueError as e:
       print(f"skipped {dict(zip(names, values))}: {e}", flush=True)
       continue

@@ -201,7 +201,8 @@ def test_interpret_dlse_reaches_gradients(fuse):
   mask, scale = CAUSAL_BR, 0.125
   dlse = jax.random.normal(jax.random.key(5), (B, N, Tq))
   o, lse = kernel_inputs(q, k, v, do, scale=scale, mask=mask)
-  config = fused(64, Tq, Tk, mask) if fuse else None
+  # The heuristic's config fuses at D = 64: turned off, XLA forms delta.
+  config = dataclasses.replace(fused(64, Tq, Tk, mask), fuse_delta=fuse)
   grads = backward.attention_backward(q, k, v, o, lse, do, scale=scale, mask=mask,
                                       config=config, interpret=True, dlse=dlse)
   ref = reference_grads(q, k, v, do, scale=scale, mask=mask, dlse=dlse)[2:]

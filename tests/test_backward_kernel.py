@@ -203,6 +203,7 @@ def test_heuristic_registers(D, deterministic, registers):
     (64, True, True, True),
     (128, True, True, None),  # where interpret mode's ds staging leaves room for o
     (64, False, False, False),  # the single kernel forms no delta
+    (128, False, False, True),  # deterministic=False runs the two kernels here
     (192, True, False, False), (256, True, False, False)])  # role split: untimed
 def test_heuristic_fuses_delta(D, deterministic, interpret, fuse_delta):
   # Fortieth session's H200 A/B (causal, D = 64 and 128, T = 512 and 4096):
@@ -223,6 +224,15 @@ def test_heuristic_fuses_delta(D, deterministic, interpret, fuse_delta):
       seen.add(config.fuse_delta)
   if fuse_delta is None:  # 128-key dq tiles leave no room; 64-key ones do
     assert seen == {False, True}
+
+
+@pytest.mark.parametrize("D", [32, 96, 128, 256])
+def test_heuristic_without_the_single_kernel_ignores_deterministic(D):
+  # deterministic=False takes the single kernel at D = 64 only; elsewhere the
+  # two kernels run as the default's (fuse_delta, registers and all).
+  for mask in (NO_MASK, CAUSAL_BR, MaskSpec(causal=True, window_left=1024)):
+    assert (BackwardConfig.heuristic(D, 4096, 4096, mask, deterministic=False)
+            == BackwardConfig.heuristic(D, 4096, 4096, mask))
 
 
 @pytest.mark.parametrize("D, mask, block_kv_dq, block_q_dkv", [

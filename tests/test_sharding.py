@@ -306,17 +306,20 @@ def _stand_in_kernels(monkeypatch):
   count = lambda make: lambda *a: calls.append(make.__name__) or make(*a)
   monkeypatch.setattr(_kernel_call, "_forward_call", count(forward_call))
   monkeypatch.setattr(_kernel_call, "_backward_call", count(backward_call))
-  monkeypatch.setattr(_dispatch, "choose", lambda p, impl: "mosaic")
+  monkeypatch.setattr(_dispatch, "choose",
+                      lambda p, impl: "xla" if impl == "xla" else "mosaic")
   return calls
 
 
-@pytest.mark.parametrize("option", ["none", "sinks", "lengths", "segments", "whole_kv"])
+@pytest.mark.parametrize("option", ["none", "sinks", "lengths", "segments", "whole_kv",
+                                    "residual", "residual-sinks"])
 def test_kernel_path_inside_shard_map_equals_the_unsharded_call(option, monkeypatch):
   """Numbers, not only types: o and every gradient of the kernel path inside a
   two-device shard_map (check_vma on) equal the unsharded call's, with the
   kernels stood in by the reference. Operands given whole (sinks; k and v in
   whole_kv, where each device holds half the queries) have gradients summed
-  over the devices."""
+  over the devices. With the residual in the loss lse's cotangent is not 0
+  (the backward's dlse, or delta's shift with sinks)."""
   calls = _stand_in_kernels(monkeypatch)
   mesh = _mesh((2,), ("data",))
   q, k, v = _qkv(B=2, T=32, N=4, K=2, D=16, seed=3)
@@ -325,17 +328,20 @@ def test_kernel_path_inside_shard_map_equals_the_unsharded_call(option, monkeypa
         "segments": dict(query_segment_ids=jnp.arange(64).reshape(2, 32) // 12,
                          key_value_segment_ids=jnp.arange(64).reshape(2, 32) // 12),
         }.get(option, {})
-  sinks = jax.random.normal(jax.random.key(4), (4,)) if option == "sinks" else None
+  sinks = jax.random.normal(jax.random.key(4), (4,)) if "sinks" in option else None
+  residual = option.startswith("residual")
   causal = option != "whole_kv"  # half the queries see all keys: no diagonal
   rows, kv = (P(None, "data"), P()) if option == "whole_kv" else (P("data"), P("data"))
 
   def attend(q, k, v, kw, sinks, implementation):
     return flash3.dot_product_attention(q, k, v, is_causal=causal, sinks=sinks,
-                                        implementation=implementation, **kw)
+                                        implementation=implementation,
+                                        return_residual=residual, **kw)
 
   f = jax.shard_map(lambda *a: attend(*a, "mosaic"), mesh=mesh,
                     in_specs=(rows, kv, kv, P("data"), P()), out_specs=rows)
-  loss = lambda f: lambda q, k, v, sinks: jnp.sum(jnp.sin(f(q, k, v, kw, sinks)))
+  loss = lambda f: lambda q, k, v, sinks: sum(
+      jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(f(q, k, v, kw, sinks)))
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
   got = jax.jit(jax.value_and_grad(loss(f), argnums=argnums))(q, k, v, sinks)
   want = jax.value_and_grad(loss(lambda *a: attend(*a, "xla")), argnums=argnums)(

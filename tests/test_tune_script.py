@@ -57,6 +57,21 @@ def test_tune_vary_applies_fields_to_the_default_config():
                           num_stages=2)]
 
 
+def test_tune_vary_drops_fused_delta_where_a_backward_variant_cannot_take_it(capsys):
+  # The backward default fuses delta (D <= 128); the single kernel and a dq
+  # grid of 64 rows under 128-row dk/dv tiles cannot, so they run without it
+  # rather than being skipped. Named, fuse_delta is taken as given.
+  tune = _tune_module()
+  vary = {"deterministic": [False, True], "block_q_dkv": [64]}
+  cands = tune._vary_candidates("bwd", 64, 4096, True, None, vary)
+  assert [(c.deterministic, c.fuse_delta) for c in cands] == [(False, False), (True, True)]
+  (one,) = tune._vary_candidates("bwd", 64, 4096, True, None, {"compute_wgs_dq": [1]})
+  assert (one.compute_wgs_dq, one.block_q_dkv, one.fuse_delta) == (1, 128, False)
+  assert not tune._vary_candidates("bwd", 64, 4096, True, None,
+                                   {"compute_wgs_dq": [1], "fuse_delta": [True]})
+  assert "skipped" in capsys.readouterr().out
+
+
 def test_tune_variant_is_the_default_plus_fields_set_together():
   # --variant: the default, then the default with a set of fields changed at
   # once (three compute warpgroups need their own registers and ping-pong).

@@ -170,7 +170,8 @@ class BackwardConfig:
       caller passes ``delta``, XLA forms delta. On an H200 (fortieth
       session, causal D=64 and 128, T=512 and 4096, one run) 1-3% faster:
       the heuristic's choice for the deterministic backward up to
-      head_dim 128 (forty-first session) where it fits.
+      head_dim 128 (forty-first session) where it fits; for every mask,
+      though only causal was timed (XLA's pass costs the same there).
   """
 
   block_q_dq: int = 64
@@ -349,7 +350,10 @@ class BackwardConfig:
     config = dataclasses.replace(config, reverse_q_tiles=causal)
     if packed and causal and head_dim <= 128:
       config = dataclasses.replace(config, block_kv_dq=64, block_q_dkv=64)
-    if head_dim <= 128 and deterministic:
+    if not deterministic and head_dim == 64:
+      config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
+                                   pair_dq=True)
+    if head_dim <= 128 and config.deterministic:
       # 240 registers per compute thread (the producer 24): the two kernels'
       # hot loops spill less (dk/dv D=64 causal 36 -> 4 local-memory
       # instructions offline, docs/ptxas.md), and on an H200 (twenty-ninth
@@ -374,9 +378,6 @@ class BackwardConfig:
       # shrinks (1444 -> 1124 instructions at D=64, fortieth session) but its
       # unmasked loop grows by 8-12.
       config = dataclasses.replace(config, dkv_row_bounds=True)
-    if not deterministic and head_dim == 64:
-      config = dataclasses.replace(config, block_q_dkv=64, deterministic=False,
-                                   pair_dq=True)
     # Interpret mode stages register operands in smem too: shallower rings,
     # each kernel's on its own (the dk/dv kernel's with role_split at D=256).
     fits = lambda i: config.smem_bytes(head_dim, 2, interpret=interpret)[i] <= SMEM_LIMIT_BYTES
