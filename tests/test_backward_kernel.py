@@ -1345,8 +1345,7 @@ PAIR_DQ = dict(deterministic=False, block_q_dkv=64, fuse_delta=False, pair_dq=Tr
 def test_pair_dq_is_checked():
   with pytest.raises(ValueError, match="pair_dq"):
     BackwardConfig(pair_dq=1)
-  for bad in (dict(), dict(deterministic=False, block_q_dkv=64, fuse_delta=False,
-                           overlap_matmuls=False)):
+  for bad in (dict(), dict(deterministic=False, block_q_dkv=64, overlap_matmuls=False)):
     with pytest.raises(ValueError, match="pair_dq=True needs"):
       BackwardConfig(pair_dq=True, **bad)
   assert BackwardConfig(**PAIR_DQ).pair_dq
