@@ -38,6 +38,10 @@ CAUSAL_TL = MaskSpec(causal=True, alignment="top_left")
 CAUSAL_BR = MaskSpec(causal=True, alignment="bottom_right")
 FACTOR = 3.0
 F16, BF16 = jnp.float16, jnp.bfloat16
+# The fields that turn a heuristic config into the single-kernel backward
+# (deterministic=False): 64-query dk/dv tiles, and no fused delta (the
+# single kernel has no dq pass to form it in).
+SINGLE_KERNEL = dict(deterministic=False, block_q_dkv=64, fuse_delta=False)
 
 
 # ----------------------------------------------------------------------------
@@ -1315,8 +1319,8 @@ def test_cross_lowers_for_cuda_with_options(feature, D):
 
 @pytest.mark.parametrize("D,kw", [
     (64, {}), (128, {}), (256, {}),
-    (64, dict(deterministic=False, block_q_dkv=64, fuse_delta=False)),
-    (128, dict(deterministic=False, block_q_dkv=64, fuse_delta=False, share_dq=True))],
+    (64, SINGLE_KERNEL),
+    (128, dict(SINGLE_KERNEL, share_dq=True))],
     ids=["d64", "d128", "d256-split", "d64-atomic", "d128-shared"])
 @pytest.mark.parametrize("feature", ["none", "softcap", "segments"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "plain"])
@@ -1339,7 +1343,7 @@ def test_overlap_matmuls_is_a_checked_bool():
 # BackwardConfig.pair_dq: the single-kernel backward's dq matmul issued beside
 # dk's (ninth session, after its device time: lowering checked here; the GPU
 # test below waits for an H200).
-PAIR_DQ = dict(deterministic=False, block_q_dkv=64, fuse_delta=False, pair_dq=True)
+PAIR_DQ = dict(SINGLE_KERNEL, pair_dq=True)
 
 
 def test_pair_dq_is_checked():
@@ -1360,8 +1364,7 @@ def test_pair_dq_cross_lowers_for_cuda(D, share, feature):
   shared by the two warpgroups or not, and its Mosaic GPU module differs
   from the unpaired one's (the knob reaches the kernel)."""
   base = dataclasses.replace(BackwardConfig.heuristic(D, 200, 136, CAUSAL_BR),
-                             deterministic=False, block_q_dkv=64, fuse_delta=False,
-                             share_dq=share)
+                             **SINGLE_KERNEL, share_dq=share)
   opts = {} if feature == "none" else CROSS_LOWER_OPTIONS[feature]
   texts = []
   for pair in (False, True):
@@ -1631,9 +1634,9 @@ OVERLAP_GPU_CASES = [
     (1, 2000, 2000, 2, 1, 256, BF16, CAUSAL_BR, {}),
     (1, 2000, 2000, 2, 1, 128, BF16, W(window_left=300, window_right=0), {}),
     (1, 1024, 1024, 4, 2, 64, BF16, CAUSAL_BR,
-     dict(deterministic=False, block_q_dkv=64, fuse_delta=False)),
+     SINGLE_KERNEL),
     (2, 4224, 4224, 4, 4, 128, BF16, NO_MASK,
-     dict(deterministic=False, block_q_dkv=64, fuse_delta=False, share_dq=True)),
+     dict(SINGLE_KERNEL, share_dq=True)),
 ]
 
 
@@ -1675,8 +1678,7 @@ def test_gpu_pair_dq(B, Tq, Tk, N, K, D, dtype, mask, share):
   to the unpaired single kernel's (dq is a float32 atomic sum either way);
   at head_dim 128 with the dq tile shared by the two warpgroups."""
   base = dataclasses.replace(BackwardConfig.heuristic(D, Tq, Tk, mask),
-                             deterministic=False, block_q_dkv=64, fuse_delta=False,
-                             share_dq=share)
+                             **SINGLE_KERNEL, share_dq=share)
   config = dataclasses.replace(base, pair_dq=True)
   q, k, v, do, grads = check(B, Tq, Tk, N, K, D, dtype, mask, config=config, seed=Tq)
   plain = run_kernels(q, k, v, do, scale=D ** -0.5, mask=mask, config=base)
@@ -1738,7 +1740,7 @@ def test_interpret_exp2_fma_cols_with_options():
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kw", [{}, dict(deterministic=False, block_q_dkv=64, fuse_delta=False)],
+@pytest.mark.parametrize("kw", [{}, SINGLE_KERNEL],
                          ids=["two-kernel", "single-kernel"])
 def test_exp2_fma_cols_cross_lowers_for_cuda(D, kw):
   base = BackwardConfig.heuristic(D, 200, 136, CAUSAL_BR)
